@@ -1,0 +1,96 @@
+"""Blocks <-> chunk-major bytes: the reference codec (plain torch, CPU or CUDA tensors).
+
+Byte format of one chunk of a group (``C`` blocks, segments ``s_0 .. s_k`` in layout order)::
+
+    [s_0: block 0 | block 1 | ... | block C-1][s_1: block 0 | ... ] ... [s_k: ...]
+
+and ``n`` chunks are ``n`` such runs back to back (chunk-major). Keeping one segment's blocks
+together lets a chunk whose block ids are consecutive move as one piece per segment.
+
+Contract: ``block_ids`` are the blocks of whole chunks in order; duplicates, negative or
+out-of-range ids and a count that is not a multiple of ``blocks_per_chunk`` raise
+:class:`CodecError` before a byte moves. Nothing outside the listed blocks (in the cache) or
+outside ``[0, n * chunk_bytes)`` (in the buffer) is read or written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.layout import GroupLayout
+
+
+class CodecError(ValueError):
+    """Block ids or buffers that do not fit the layout."""
+
+
+def chunk_bytes(group: GroupLayout, blocks_per_chunk: int) -> int:
+    return group.bytes_per_block * blocks_per_chunk
+
+
+def segment_offsets(group: GroupLayout, blocks_per_chunk: int) -> list[int]:
+    """Byte offset of each segment's first block inside one chunk."""
+    offsets, pos = [], 0
+    for s in group.segments:
+        offsets.append(pos)
+        pos += s.run * blocks_per_chunk
+    return offsets
+
+
+def check_block_ids(group: GroupLayout, block_ids: Sequence[int], blocks_per_chunk: int) -> int:
+    """Validate ids; return the number of chunks they make."""
+    n = len(block_ids)
+    if blocks_per_chunk <= 0:
+        raise CodecError(f"blocks_per_chunk must be positive, got {blocks_per_chunk}")
+    if n % blocks_per_chunk:
+        raise CodecError(f"{n} block ids is not a whole number of {blocks_per_chunk}-block chunks")
+    if len(set(block_ids)) != n:
+        raise CodecError(f"duplicate block ids in {list(block_ids)}")
+    limit = group.num_blocks
+    bad = [b for b in block_ids if not 0 <= b < limit]
+    if bad:
+        raise CodecError(f"block ids {bad} are outside [0, {limit}) for group {group.group_id}")
+    return n // blocks_per_chunk
+
+
+def _check_buffer(buf: torch.Tensor, need: int) -> torch.Tensor:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise CodecError("the byte buffer must be a contiguous 1-D uint8 tensor")
+    if buf.numel() < need:
+        raise CodecError(f"the byte buffer holds {buf.numel()} bytes, {need} needed")
+    return buf[:need]
+
+
+def gather(
+    group: GroupLayout, block_ids: Sequence[int], blocks_per_chunk: int, out: torch.Tensor
+) -> None:
+    """Copy the listed blocks of every segment into ``out`` in chunk-major format."""
+    n_chunks = check_block_ids(group, block_ids, blocks_per_chunk)
+    cb = chunk_bytes(group, blocks_per_chunk)
+    out = _check_buffer(out, n_chunks * cb).view(n_chunks, cb)
+    if n_chunks == 0:
+        return
+    for seg, off in zip(group.segments, segment_offsets(group, blocks_per_chunk)):
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=seg.storage.device)
+        rows = seg.blocks().index_select(0, idx)  # (n*C, run) on the cache device
+        width = seg.run * blocks_per_chunk
+        out[:, off : off + width].copy_(rows.view(n_chunks, width), non_blocking=False)
+
+
+def scatter(
+    group: GroupLayout, block_ids: Sequence[int], blocks_per_chunk: int, src: torch.Tensor
+) -> None:
+    """Write ``src`` (chunk-major format) back into the listed blocks of every segment."""
+    n_chunks = check_block_ids(group, block_ids, blocks_per_chunk)
+    cb = chunk_bytes(group, blocks_per_chunk)
+    src = _check_buffer(src, n_chunks * cb).view(n_chunks, cb)
+    if n_chunks == 0:
+        return
+    for seg, off in zip(group.segments, segment_offsets(group, blocks_per_chunk)):
+        dev = seg.storage.device
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=dev)
+        width = seg.run * blocks_per_chunk
+        rows = src[:, off : off + width].to(dev).reshape(n_chunks * blocks_per_chunk, seg.run)
+        seg.blocks().index_copy_(0, idx, rows)

@@ -1,0 +1,156 @@
+"""Chunk keys: a prefix-chained blake2b hash under a namespace.
+
+``key(i) = H(key(i-1) || tokens of chunk i || extra keys of chunk i)`` with ``key(-1)`` the
+namespace digest, which covers the model identity and weight revision, the layout
+fingerprint, the KV dtype string and fixed scales, the chunk size and the codec version.
+The per-request ``cache_salt`` enters chunk 0's extra keys, so tenants never share chunks.
+The TP/PP rank is not part of a key: it is a sub-address of where a rank's shard lives.
+
+Keys are stable across processes and restarts: no ``hash()``, no per-process seed.
+Extra keys (vLLM's per-block extra keys: multimodal hashes, LoRA, prompt embeddings) must be
+made of None, bool, int, float, str, bytes and tuples/lists of those; anything else makes the
+request *unsaveable*: it is neither saved nor loaded, and the caller counts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+
+from kvtier.layout import CODEC_VERSION
+
+KEY_BYTES = 16
+
+ExtraKeysFn = Callable[[int, int], object]
+"""Extra keys for the token range [start, end) of a request; return UNSUPPORTED if unknown."""
+
+
+class _Unsupported:
+    def __repr__(self) -> str:
+        return "UNSUPPORTED"
+
+
+UNSUPPORTED = _Unsupported()
+
+
+def _hash(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for stored bytes to be valid for an engine."""
+
+    model: str
+    layout_fingerprint: str
+    kv_cache_dtype: str
+    chunk_tokens: int
+    model_revision: str = ""
+    fixed_scales: Mapping[str, float] = field(default_factory=dict)
+    tp_size: int = 1
+    extra: str = ""
+    codec_version: int = CODEC_VERSION
+
+    def digest(self) -> bytes:
+        desc = [
+            "kvtier-ns-v1",
+            self.model,
+            self.model_revision,
+            self.layout_fingerprint,
+            self.kv_cache_dtype,
+            sorted((k, float(v)) for k, v in self.fixed_scales.items()),
+            self.chunk_tokens,
+            self.tp_size,
+            self.extra,
+            self.codec_version,
+        ]
+        return _hash(msgpack.packb(desc, use_bin_type=True))
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    a = array("I", tokens)  # 4-byte unsigned on every supported platform
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def encode_extra(extra: object) -> bytes | None:
+    """Deterministic bytes for extra keys, or None if they hold something we cannot encode."""
+    if extra is None or extra == ():
+        return b""
+
+    def ok(x: object) -> bool:
+        if isinstance(x, _PLAIN):
+            return True
+        if isinstance(x, (tuple, list)):
+            return all(ok(v) for v in x)
+        return False
+
+    if extra is UNSUPPORTED or not ok(extra):
+        return None
+    return msgpack.packb(extra, use_bin_type=True)
+
+
+def chunk_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    return _hash(parent, _tokens_bytes(tokens), len(extra).to_bytes(4, "little"), extra)
+
+
+class RequestKeys:
+    """The chunk keys of one request, extended incrementally as its tokens grow.
+
+    ``update(tokens)`` hashes only chunks that became full since the last call; the whole
+    prompt is never rehashed. Once extra keys cannot be encoded the request is marked
+    unsaveable and no further keys are produced.
+    """
+
+    def __init__(
+        self,
+        namespace: bytes,
+        chunk_tokens: int,
+        cache_salt: str | None = None,
+        extra_keys: ExtraKeysFn | None = None,
+    ) -> None:
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive")
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self.cache_salt = cache_salt
+        self.extra_keys = extra_keys
+        self.keys: list[bytes] = []
+        self.unsaveable = False
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
+
+    def update(self, tokens: Sequence[int]) -> int:
+        """Hash the newly full chunks of ``tokens`` (the request's tokens so far).
+
+        Returns the number of full chunks keyed. ``tokens`` must extend what was seen before.
+        """
+        c = self.chunk_tokens
+        target = len(tokens) // c
+        while not self.unsaveable and len(self.keys) < target:
+            i = len(self.keys)
+            start, end = i * c, (i + 1) * c
+            extra_obj: object = self.extra_keys(start, end) if self.extra_keys else None
+            if i == 0 and self.cache_salt:
+                extra_obj = ("salt", self.cache_salt, extra_obj)
+            extra = encode_extra(extra_obj)
+            if extra is None:
+                self.unsaveable = True
+                break
+            parent = self.keys[-1] if self.keys else self.namespace
+            self.keys.append(chunk_key(parent, tokens[start:end], extra))
+        return len(self.keys)
