@@ -1,0 +1,110 @@
+"""The index: which chunks are stored, in which slot, and which may leave.
+
+Lifecycle of a stored chunk (one per group and key)::
+
+    reserve -> WRITING --commit--> READY --(evict | reset)--> gone
+                  \\--abort--> gone (with every stored descendant)
+
+- ``reserve`` takes a slot (evicting an unpinned, ready leaf if none is free) and creates a
+  WRITING entry, invisible to lookups. A full-attention chunk needs its parent stored (ready or
+  writing), so the store never holds orphans; while a child is stored its parent cannot leave.
+- ``commit`` makes it visible (every rank wrote its bytes); ``abort`` drops it and its subtree.
+- ``pin`` protects ready chunks a decided load reads; ``unpin`` when the load ends, whatever
+  its outcome. A pin never expires in-process.
+- ``reset`` drops everything; pinned or writing entries become *doomed*: invisible at once,
+  their slot freed when their last pin or write ends.
+
+Handles (:class:`Entry`) make the late operations exact: a ``commit`` or ``unpin`` for an entry
+that was reset and re-created under the same key acts on the old one only.
+
+A lookup may be answered later by an index that lives in another process (DESIGN.md §2.11):
+``match`` returns ``None`` to say "ask again next step".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+class DeclineSave(str, Enum):
+    """Why ``reserve`` returned no entry."""
+
+    STORED = "already_stored"
+    NO_PARENT = "parent_not_stored"
+    FULL = "no_evictable_slot"
+
+
+class Entry:
+    """One stored chunk. Mutated only by its index."""
+
+    __slots__ = ("children", "doomed", "group", "key", "parent", "pins", "ready", "slot")
+
+    def __init__(self, group: int, key: bytes, slot: int, parent: Entry | None) -> None:
+        self.group = group
+        self.key = key
+        self.slot = slot
+        self.parent = parent
+        self.children: list[Entry] | None = None
+        self.pins = 0
+        self.ready = False
+        self.doomed = False
+
+    def __repr__(self) -> str:
+        state = "doomed" if self.doomed else ("ready" if self.ready else "writing")
+        return f"Entry(g{self.group} {self.key.hex()[:8]} slot={self.slot} {state} pins={self.pins})"
+
+
+@dataclass
+class IndexStats:
+    stored: int = 0
+    writing: int = 0
+    pinned: int = 0
+    doomed: int = 0
+    evictions: int = 0
+    free_slots: int = 0
+
+
+class Index(ABC):
+    @abstractmethod
+    def match(self, group: int, keys: Sequence[bytes]) -> int | None:
+        """Number of leading ``keys`` that are READY in ``group`` (None: ask again later)."""
+
+    @abstractmethod
+    def is_ready(self, group: int, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def get(self, group: int, key: bytes) -> Entry | None:
+        """The live (not doomed) entry for ``key``, ready or writing."""
+
+    @abstractmethod
+    def reserve(
+        self, group: int, key: bytes, parent_key: bytes | None
+    ) -> Entry | DeclineSave: ...
+
+    @abstractmethod
+    def commit(self, entry: Entry) -> bool:
+        """WRITING -> READY. False when the entry was doomed meanwhile (its slot is freed)."""
+
+    @abstractmethod
+    def abort(self, entry: Entry) -> None: ...
+
+    @abstractmethod
+    def pin(self, group: int, keys: Sequence[bytes]) -> list[Entry]:
+        """Pin READY chunks; raises KeyError if one is not ready (decide, then pin)."""
+
+    @abstractmethod
+    def unpin(self, entries: Sequence[Entry]) -> None: ...
+
+    @abstractmethod
+    def touch(self, group: int, keys: Sequence[bytes]) -> None:
+        """A hit on a prefix: refresh it leaf-first so its root is the newest."""
+
+    @abstractmethod
+    def reset(self) -> int:
+        """Drop everything (pinned/writing entries are doomed). Returns entries dropped."""
+
+    @abstractmethod
+    def stats(self) -> IndexStats: ...

@@ -1,0 +1,265 @@
+"""The in-process index: plain dicts in the scheduler process, answered at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.index.base import DeclineSave, Entry, Index, IndexStats
+from kvtier.policy.base import EvictionPolicy
+from kvtier.slab import SlotAllocator
+
+
+@dataclass
+class GroupIndexSpec:
+    """How one group's chunks are kept.
+
+    ``chained``: a chunk is useful only with all its ancestors (full attention): a child needs
+    its parent stored, and only leaves may leave. Otherwise chunks are independent (sliding
+    window, recurrent state). ``coupled_state``: the group whose object under the same key
+    must leave when this group's chunk leaves (the recurrent state of that boundary).
+    """
+
+    slot_class: int
+    policy: EvictionPolicy
+    chained: bool = True
+    coupled_state: int | None = None
+
+
+class MemoryIndex(Index):
+    def __init__(self, groups: Sequence[GroupIndexSpec], allocator: SlotAllocator) -> None:
+        self.groups = list(groups)
+        self.allocator = allocator
+        self._entries: list[dict[bytes, Entry]] = [{} for _ in self.groups]
+        self._doomed: set[Entry] = set()
+        self._pinned_entries = 0
+        self.evictions = 0
+
+    # -- lookups --------------------------------------------------------------------------
+    def match(self, group: int, keys: Sequence[bytes]) -> int:
+        entries = self._entries[group]
+        n = 0
+        for k in keys:
+            e = entries.get(k)
+            if e is None or not e.ready:
+                break
+            n += 1
+        return n
+
+    def is_ready(self, group: int, key: bytes) -> bool:
+        e = self._entries[group].get(key)
+        return e is not None and e.ready
+
+    def get(self, group: int, key: bytes) -> Entry | None:
+        return self._entries[group].get(key)
+
+    # -- writes ---------------------------------------------------------------------------
+    def reserve(self, group: int, key: bytes, parent_key: bytes | None) -> Entry | DeclineSave:
+        spec = self.groups[group]
+        entries = self._entries[group]
+        if key in entries:
+            return DeclineSave.STORED
+        parent = None
+        if spec.chained and parent_key is not None:
+            parent = entries.get(parent_key)
+            if parent is None:
+                return DeclineSave.NO_PARENT
+        slot = self.allocator.allocate(spec.slot_class)
+        if slot is None and self._evict_one(group, protect=parent):
+            slot = self.allocator.allocate(spec.slot_class)
+        if slot is None:
+            return DeclineSave.FULL
+        entry = Entry(group, key, slot, parent)
+        entries[key] = entry
+        if parent is not None:
+            if parent.children is None:
+                parent.children = []
+            parent.children.append(entry)
+        return entry
+
+    def commit(self, entry: Entry) -> bool:
+        if entry.doomed:
+            self._release_doomed(entry, write_ended=True)
+            return False
+        if entry.ready:
+            raise ValueError(f"{entry} committed twice")
+        entry.ready = True
+        parent = entry.parent.key if entry.parent is not None else None
+        self.groups[entry.group].policy.insert(entry.key, parent)
+        return True
+
+    def abort(self, entry: Entry) -> None:
+        if entry.doomed:
+            self._release_doomed(entry, write_ended=True)
+            return
+        if entry.ready:
+            raise ValueError(f"{entry} is ready; abort is for writes")
+        entry.ready = True  # its write is over; what remains is to drop it and its subtree
+        self._drop_subtree(entry)
+
+    # -- pins and hits --------------------------------------------------------------------
+    def pin(self, group: int, keys: Sequence[bytes]) -> list[Entry]:
+        entries = self._entries[group]
+        pinned = []
+        for k in keys:
+            e = entries.get(k)
+            if e is None or not e.ready:
+                self.unpin(pinned)
+                raise KeyError(f"chunk {k.hex()[:8]} of group {group} is not ready; decide first")
+            pinned.append(e)
+        for e in pinned:
+            if e.pins == 0:
+                self._pinned_entries += 1
+            e.pins += 1
+        return pinned
+
+    def unpin(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            if e.pins <= 0:
+                raise ValueError(f"{e} unpinned more often than pinned")
+            e.pins -= 1
+            if e.pins == 0:
+                self._pinned_entries -= 1
+                if e.doomed:
+                    self._release_doomed(e, write_ended=False)
+
+    def touch(self, group: int, keys: Sequence[bytes]) -> None:
+        policy = self.groups[group].policy
+        entries = self._entries[group]
+        for k in reversed(keys):
+            if k in entries and entries[k].ready:
+                policy.touch(k)
+
+    # -- removal --------------------------------------------------------------------------
+    def _evictable(self, group: int, key: object) -> bool:
+        e = self._entries[group].get(key)  # type: ignore[arg-type]
+        if e is None or not e.ready or e.pins:
+            return False
+        return not (self.groups[group].chained and e.children)
+
+    def _evict_one(self, group: int, protect: Entry | None = None) -> bool:
+        def ok(key: object) -> bool:
+            return (protect is None or key != protect.key) and self._evictable(group, key)
+
+        key = self.groups[group].policy.victim(ok)
+        if key is None:
+            return False
+        self._remove(self._entries[group][key])  # type: ignore[index]
+        self.evictions += 1
+        return True
+
+    def _remove(self, e: Entry) -> None:
+        """Forget a ready, unpinned entry with no stored children and free its slot."""
+        spec = self.groups[e.group]
+        del self._entries[e.group][e.key]
+        spec.policy.remove(e.key)
+        self._detach(e)
+        self.allocator.free(spec.slot_class, e.slot)
+        if spec.coupled_state is not None:
+            self._drop_coupled(spec.coupled_state, e.key)
+
+    def _drop_coupled(self, state_group: int, key: bytes) -> None:
+        s = self._entries[state_group].get(key)
+        if s is None:
+            return
+        if s.ready and not s.pins:
+            self._remove(s)
+        else:
+            self._doom(s)
+
+    def _detach(self, e: Entry) -> None:
+        p = e.parent
+        if p is not None and p.children is not None:
+            p.children.remove(e)
+            if not p.children:
+                p.children = None
+        e.parent = None
+
+    def _drop_subtree(self, root: Entry) -> None:
+        """Drop ``root`` and every stored descendant: none is useful without it."""
+        stack = [root]
+        order = []
+        while stack:
+            e = stack.pop()
+            order.append(e)
+            stack.extend(e.children or ())
+        for e in reversed(order):  # leaves first
+            if e.ready and not e.pins:
+                self._remove(e)
+            else:
+                self._doom(e)
+
+    def _doom(self, e: Entry) -> None:
+        """Make ``e`` invisible now; free its slot when its last pin or write ends."""
+        spec = self.groups[e.group]
+        if self._entries[e.group].get(e.key) is e:
+            del self._entries[e.group][e.key]
+        spec.policy.remove(e.key)
+        for c in list(e.children or ()):
+            self._detach(c)
+        self._detach(e)
+        e.doomed = True
+        self._doomed.add(e)
+        if spec.coupled_state is not None:
+            self._drop_coupled(spec.coupled_state, e.key)
+        if e.ready and not e.pins:
+            self._release_doomed(e, write_ended=False)
+
+    def _release_doomed(self, e: Entry, write_ended: bool) -> None:
+        if write_ended:
+            e.ready = True  # the write is over either way; what remains is the pins
+        if e.pins or not e.ready or e not in self._doomed:
+            return
+        self._doomed.discard(e)
+        self.allocator.free(self.groups[e.group].slot_class, e.slot)
+
+    def reset(self) -> int:
+        dropped = 0
+        for group in range(len(self.groups)):
+            for e in list(self._entries[group].values()):
+                if self._entries[group].get(e.key) is e:
+                    self._doom(e)
+                    dropped += 1
+        return dropped
+
+    # -- accounting -----------------------------------------------------------------------
+    def stats(self) -> IndexStats:
+        stored = sum(1 for es in self._entries for e in es.values() if e.ready)
+        writing = sum(1 for es in self._entries for e in es.values() if not e.ready)
+        free = sum(self.allocator.num_free(g.slot_class) for g in self.groups)
+        return IndexStats(stored=stored, writing=writing, pinned=self._pinned_entries,
+                          doomed=len(self._doomed), evictions=self.evictions, free_slots=free)
+
+    def num_stored(self, group: int) -> int:
+        return len(self._entries[group])
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the index is inconsistent (for tests and soak runs)."""
+        used: dict[int, set[int]] = {}
+        for g, es in enumerate(self._entries):
+            spec = self.groups[g]
+            cls = used.setdefault(spec.slot_class, set())
+            for key, e in es.items():
+                assert e.key == key and e.group == g and not e.doomed, e
+                assert e.slot not in cls, f"slot {e.slot} of class {spec.slot_class} used twice"
+                cls.add(e.slot)
+                if spec.chained and e.parent is not None:
+                    assert es.get(e.parent.key) is e.parent, f"{e} is an orphan"
+                    assert e in (e.parent.children or []), f"{e} missing from its parent"
+                assert not e.pins or e.ready, f"{e} pinned while writing"
+                assert (e.key in spec.policy) == e.ready, f"{e} policy membership wrong"
+        for e in self._doomed:
+            cls = used.setdefault(self.groups[e.group].slot_class, set())
+            assert e.slot not in cls, f"doomed {e} shares a slot"
+            cls.add(e.slot)
+        for spec in self.groups:
+            n_used = len(used.get(spec.slot_class, ()))
+            total = self.allocator.num_slots(spec.slot_class)
+            assert n_used + self.allocator.num_free(spec.slot_class) == total, (
+                f"class {spec.slot_class}: {n_used} used + "
+                f"{self.allocator.num_free(spec.slot_class)} free != {total}"
+            )
+            assert len(spec.policy) <= total
+        pinned = sum(1 for es in self._entries for e in es.values() if e.pins) + sum(
+            1 for e in self._doomed if e.pins)
+        assert pinned == self._pinned_entries, (pinned, self._pinned_entries)

@@ -1,0 +1,53 @@
+"""Segmented LRU: new chunks enter a probation segment; a hit promotes to a protected one.
+
+One-pass scans churn probation only, so a hot set that was hit at least once survives them.
+Protected holds at most ``protected_fraction`` of the capacity; its overflow is demoted to the
+newest end of probation. Victims come from probation first, then protected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from kvtier.policy.base import Evictable, EvictionPolicy
+from kvtier.policy.keylist import KeyList
+from kvtier.policy.lru import pick_from_front
+
+
+class SLRUPolicy(EvictionPolicy):
+    def __init__(self, capacity: int, protected_fraction: float = 0.8, **kw: int) -> None:
+        super().__init__(capacity, **kw)
+        self.protected_capacity = max(1, int(capacity * protected_fraction))
+        self._probation = KeyList()
+        self._protected = KeyList()
+
+    def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
+        if parent is not None and parent in self._probation:
+            self._probation.insert_before(key, parent)
+        else:
+            self._probation.push_back(key)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._protected:
+            self._protected.move_to_back(key)
+        elif key in self._probation:
+            self._probation.remove(key)
+            self._protected.push_back(key)
+            while len(self._protected) > self.protected_capacity:
+                self._probation.push_back(self._protected.pop_front())
+
+    def remove(self, key: Hashable) -> None:
+        if not self._probation.discard(key):
+            self._protected.discard(key)
+
+    def victim(self, evictable: Evictable) -> Hashable | None:
+        key = pick_from_front(self._probation, evictable, self.scan_limit)
+        if key is None:
+            key = pick_from_front(self._protected, evictable, self.scan_limit)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._probation or key in self._protected

@@ -1,0 +1,271 @@
+"""Host memory in fixed-size slots: the geometry (shared by scheduler and workers), the slot
+allocator (scheduler), and the memory itself (workers).
+
+- One *size class* per KV-cache group (one slot = one chunk of that group) and one for
+  recurrent-state objects. Slots of a class are equal, so there is no fragmentation, and
+  allocate/free are O(1) stack operations.
+- Every KV group gets the same number of slots: a hit needs the same chunks of every group.
+- A *shard* is one rank's copy of every slot. Layouts replicated across TP ranks (MLA) keep one
+  shard that every rank reads; others keep one shard per rank, in the same slot numbering.
+- With more than one rank the memory is a named shared-memory segment so that ranks can read
+  each other's shards; with one, plain process memory (no /dev/shm needed).
+- With CUDA, memory is registered (pinned) after the device is set, in steps of at most
+  ``pin_step`` bytes that never split a slot; a size the host cannot provide is refused at
+  start-up with the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import format_bytes
+
+ALIGN = 4096
+
+
+class SlabError(RuntimeError):
+    """The host cannot provide the slab that was asked for."""
+
+
+def _align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    name: str
+    slot_bytes: int  # payload bytes of one slot
+    stride: int  # slot_bytes rounded up to ALIGN
+    num_slots: int
+    offset: int  # of slot 0 inside a shard
+
+    @property
+    def bytes(self) -> int:
+        return self.stride * self.num_slots
+
+
+@dataclass(frozen=True)
+class SlabPlan:
+    classes: tuple[SizeClass, ...]
+    shard_bytes: int
+    num_shards: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.shard_bytes * self.num_shards
+
+    def offset(self, cls: int, slot: int, shard: int = 0) -> int:
+        c = self.classes[cls]
+        if not 0 <= slot < c.num_slots:
+            raise IndexError(f"slot {slot} outside class {c.name} ({c.num_slots} slots)")
+        return shard * self.shard_bytes + c.offset + slot * c.stride
+
+
+def plan_slab(
+    total_bytes: int,
+    kv_slot_bytes: Sequence[int],
+    num_shards: int = 1,
+    state_slot_bytes: int | None = None,
+    state_bytes: int | None = None,
+) -> SlabPlan:
+    """Split ``total_bytes`` (all shards) into size classes.
+
+    KV classes come first (one per group, same slot count), the state class last.
+    """
+    if num_shards < 1:
+        raise SlabError("num_shards must be at least 1")
+    per_shard = total_bytes // num_shards
+    state_share = 0
+    if state_slot_bytes:
+        state_share = (state_bytes if state_bytes is not None else total_bytes // 4) // num_shards
+    strides = [_align_up(b) for b in kv_slot_bytes]
+    kv_slots = (per_shard - state_share) // sum(strides) if strides else 0
+    if strides and kv_slots < 1:
+        raise SlabError(
+            f"dram_size {format_bytes(total_bytes)} holds no chunk: one chunk of every group "
+            f"needs {format_bytes(sum(strides) * num_shards)} over {num_shards} shard(s); "
+            "raise dram_size or lower chunk_tokens"
+        )
+    classes, pos = [], 0
+    for g, (b, s) in enumerate(zip(kv_slot_bytes, strides)):
+        classes.append(SizeClass(f"g{g}", b, s, kv_slots, pos))
+        pos += s * kv_slots
+    if state_slot_bytes:
+        stride = _align_up(state_slot_bytes)
+        n_state = state_share // stride
+        if n_state < 1:
+            raise SlabError(
+                f"the state share {format_bytes(state_share * num_shards)} holds no recurrent-"
+                f"state object of {format_bytes(state_slot_bytes)}; raise state_size"
+            )
+        classes.append(SizeClass("state", state_slot_bytes, stride, n_state, pos))
+        pos += stride * n_state
+    return SlabPlan(tuple(classes), _align_up(pos), num_shards)
+
+
+class SlotAllocator:
+    """Free slots per class as a stack: O(1) allocate and free, double frees caught."""
+
+    def __init__(self, slots_per_class: Sequence[int]) -> None:
+        self._free = [list(range(n - 1, -1, -1)) for n in slots_per_class]
+        self._used = [bytearray(n) for n in slots_per_class]
+        self._total = list(slots_per_class)
+
+    @classmethod
+    def for_plan(cls, plan: SlabPlan) -> SlotAllocator:
+        return cls([c.num_slots for c in plan.classes])
+
+    def num_slots(self, cls: int) -> int:
+        return self._total[cls]
+
+    def num_free(self, cls: int) -> int:
+        return len(self._free[cls])
+
+    def can_allocate(self, cls: int) -> bool:
+        return bool(self._free[cls])
+
+    def allocate(self, cls: int) -> int | None:
+        if not self._free[cls]:
+            return None
+        slot = self._free[cls].pop()
+        self._used[cls][slot] = 1
+        return slot
+
+    def free(self, cls: int, slot: int) -> None:
+        if not self._used[cls][slot]:
+            raise ValueError(f"slot {slot} of class {cls} freed twice")
+        self._used[cls][slot] = 0
+        self._free[cls].append(slot)
+
+
+def host_memory_bytes() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes, from /proc/meminfo; (0, 0) where unknown."""
+    total = avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, value = line.split(":", 1)
+                kib = int(value.split()[0]) * 1024
+                if name == "MemTotal":
+                    total = kib
+                elif name == "MemAvailable":
+                    avail = kib
+    except OSError:
+        pass
+    return total, avail
+
+
+class HostSlab:
+    """The slab's memory in one process: every shard mapped, this rank's shard writable.
+
+    ``shm_name``: name of a shared-memory segment every rank of the engine maps (created by the
+    first rank to get there; unlinked by the creator at ``close``). None: private memory.
+    """
+
+    def __init__(
+        self,
+        plan: SlabPlan,
+        shm_name: str | None = None,
+        pin: bool = False,
+        pin_step: int = 2**30,
+    ) -> None:
+        self.plan = plan
+        self.shm_name = shm_name
+        self._owner = False
+        self._mmap: mmap.mmap | None = None
+        self._registered: list[int] = []
+        total = plan.total_bytes
+        mem_total, _ = host_memory_bytes()
+        if mem_total and total > mem_total:
+            raise SlabError(
+                f"dram_size {format_bytes(total)} is larger than this host's memory "
+                f"({format_bytes(mem_total)}); lower dram_size"
+            )
+        if shm_name is None:
+            self.buffer = torch.empty(total, dtype=torch.uint8)
+        else:
+            self.buffer = self._map_shared(shm_name, total)
+        if pin:
+            self._pin(pin_step)
+
+    def _map_shared(self, name: str, size: int) -> torch.Tensor:
+        path = os.path.join("/dev/shm", name)
+        st = os.statvfs("/dev/shm")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._owner = True
+            if st.f_bavail * st.f_frsize < size:
+                os.close(fd)
+                os.unlink(path)
+                raise SlabError(
+                    f"/dev/shm has {format_bytes(st.f_bavail * st.f_frsize)} free, the slab needs "
+                    f"{format_bytes(size)}: enlarge /dev/shm (docker --shm-size) or lower dram_size"
+                )
+            os.ftruncate(fd, size)
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise SlabError(f"shared slab {path} has the wrong size for this engine's plan")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def _pin(self, pin_step: int) -> None:
+        if not torch.cuda.is_available():
+            raise SlabError("pinning asked for, but CUDA is not available")
+        cudart = torch.cuda.cudart()
+        base = self.buffer.data_ptr()
+        for start, length in pin_ranges(self.plan, pin_step):
+            err = cudart.cudaHostRegister(base + start, length, 0)
+            if int(err) != 0:
+                self.close()
+                raise SlabError(
+                    f"pinning {format_bytes(length)} of host memory at offset {start} failed "
+                    f"(cudaError {int(err)}); lower dram_size"
+                )
+            self._registered.append(base + start)
+
+    def view(self, cls: int, slot: int, shard: int = 0) -> torch.Tensor:
+        """The ``slot_bytes`` of one slot of one shard, as a uint8 tensor."""
+        off = self.plan.offset(cls, slot, shard)
+        return self.buffer[off : off + self.plan.classes[cls].slot_bytes]
+
+    def close(self) -> None:
+        if self._registered and torch.cuda.is_available():
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+        self._registered.clear()
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self._mmap is not None:
+            # a view may still be alive; then the mapping goes with the process
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+        if self._owner and self.shm_name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", self.shm_name))
+            self._owner = False
+
+
+def pin_ranges(plan: SlabPlan, pin_step: int) -> list[tuple[int, int]]:
+    """(offset, length) pieces covering the slab, each at most ``pin_step`` bytes (or one slot
+    if a slot is larger) and never splitting a slot, so that every copy is within one
+    registration."""
+    ranges = []
+    for shard in range(plan.num_shards):
+        base = shard * plan.shard_bytes
+        for c in plan.classes:
+            per = max(1, pin_step // c.stride)
+            for first in range(0, c.num_slots, per):
+                n = min(per, c.num_slots - first)
+                ranges.append((base + c.offset + first * c.stride, n * c.stride))
+    return ranges

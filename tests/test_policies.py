@@ -1,0 +1,122 @@
+"""Eviction policies: recency, leaf-first order, scan resistance, admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.config import KvtierConfig
+from kvtier.policy import POLICIES, SecondSight, make_admission, make_policy
+from kvtier.policy.base import EvictionPolicy
+
+
+def always(_: object) -> bool:
+    return True
+
+
+def fill_with_eviction(p: EvictionPolicy, keys: list[str]) -> list[str]:
+    """Insert keys one by one into a full policy, evicting one per insert; return the evicted."""
+    evicted = []
+    for k in keys:
+        if len(p) >= p.capacity:
+            v = p.victim(always)
+            assert v is not None
+            evicted.append(v)
+        p.insert(k)
+    return evicted
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_victims_respect_the_evictable_predicate(name: str) -> None:
+    p = make_policy(name, 4)
+    for k in "abcd":
+        p.insert(k)
+    assert p.victim(lambda k: k == "c") == "c"
+    assert "c" not in p and len(p) == 3
+    assert p.victim(lambda k: False) is None
+    assert len(p) == 3  # refused keys stay
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_remove_forgets_and_unknown_keys_are_fine(name: str) -> None:
+    p = make_policy(name, 4)
+    p.insert("a")
+    p.remove("a")
+    p.remove("never-seen")
+    p.touch("never-seen")
+    assert len(p) == 0 and p.victim(always) is None
+
+
+def test_lru_evicts_least_recent_and_touch_refreshes() -> None:
+    p = make_policy("lru", 3)
+    for k in "abc":
+        p.insert(k)
+    p.touch("a")
+    assert p.victim(always) == "b"
+    assert p.victim(always) == "c"
+    assert p.victim(always) == "a"
+
+
+@pytest.mark.parametrize("name", ["lru", "slru"])
+def test_a_child_is_placed_just_older_than_its_parent(name: str) -> None:
+    """Leaves of a prefix go before their ancestors without scanning past them."""
+    p = make_policy(name, 8)
+    p.insert("root")
+    p.insert("other")
+    p.insert("child", parent="root")
+    p.insert("grandchild", parent="child")
+    assert [p.victim(always) for _ in range(4)] == ["grandchild", "child", "root", "other"]
+
+
+@pytest.mark.parametrize("name,survives", [("lru", False), ("slru", True), ("s3fifo", True)])
+def test_one_pass_scan_of_twice_the_capacity(name: str, survives: bool) -> None:
+    """A hot set hit a few times, then a one-pass scan of 2x capacity of new keys."""
+    cap = 100
+    p = make_policy(name, cap)
+    hot = [f"hot{i}" for i in range(20)]
+    fill_with_eviction(p, hot)
+    for _ in range(3):
+        for k in hot:
+            p.touch(k)
+    # let the hot set settle past the admission filter of S3-FIFO, as real traffic would
+    fill_with_eviction(p, [f"warm{i}" for i in range(cap)])
+    for k in hot:
+        p.touch(k)
+    fill_with_eviction(p, [f"scan{i}" for i in range(2 * cap)])
+    kept = sum(k in p for k in hot)
+    if survives:
+        assert kept == len(hot), f"{name} lost {len(hot) - kept} hot keys to a scan"
+    else:
+        assert kept == 0, f"{name} unexpectedly kept {kept} hot keys"
+
+
+def test_slru_protected_segment_is_bounded() -> None:
+    p = make_policy("slru", 10, KvtierConfig(slru_protected_fraction=0.5))
+    keys = [f"k{i}" for i in range(10)]
+    for k in keys:
+        p.insert(k)
+    for k in keys:
+        p.touch(k)
+    assert len(p._protected) == 5 and len(p._probation) == 5  # type: ignore[attr-defined]
+    assert len(p) == 10
+
+
+def test_s3fifo_ghost_readmits_to_main() -> None:
+    p = make_policy("s3fifo", 10)
+    fill_with_eviction(p, [f"k{i}" for i in range(11)])  # k0 evicted from small into ghost
+    assert "k0" not in p
+    p.insert("k0") if len(p) < p.capacity else fill_with_eviction(p, ["k0"])
+    assert "k0" in p._main  # type: ignore[attr-defined]
+
+
+def test_second_sight_admits_from_the_second_offer_and_forgets_beyond_memory() -> None:
+    a = SecondSight(memory=2)
+    assert not a.admit("x") and a.admit("x") and a.admit("x")
+    assert not a.admit("y") and not a.admit("z")  # x forgotten now (memory 2)
+    assert not a.admit("x")
+    assert make_admission(KvtierConfig()).admit("anything")
+    assert isinstance(make_admission(KvtierConfig(admission="second_sight")), SecondSight)
+
+
+def test_unknown_policy_name() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        make_policy("mru", 4)
