@@ -9,14 +9,25 @@ How a registered tensor becomes segments (``num_blocks`` is always passed explic
 never read from dim 0, which may hold tokens or kernel blocks):
 
 - The *block axis* is the dimension whose size is ``num_blocks * f`` for a whole ``f`` (``f > 1``
-  for token-major MLA caches ``(nb*bs, 1, 576)`` and for kernel-block splitting). Among several,
-  an exact ``num_blocks`` wins, then the outermost.
+  for token-major MLA caches ``(nb*bs, 1, 576)`` and for vLLM's kernel-block splitting, where
+  dim 0 is ``num_blocks`` times the kernel blocks per block). The outermost such dimension
+  (largest stride) wins; when the shape alone cannot tell (two dimensions of exactly
+  ``num_blocks``, or an exact one beside an outer multiple) it is an error and the caller passes
+  ``block_axes``.
 - Dimensions with a larger stride than the block axis are *outer*: each index combination is
-  its own segment (K and V regions of a ``(2, nb, ...)`` tensor, or a ``(nb, 2, ...)`` view whose
-  dim 1 jumps the whole K region).
-- Dimensions with a smaller stride must be dense (a gap only after the last byte, as in padded
-  pages); anything else cannot be segmented and is a :class:`LayoutError` naming the layer,
+  its own segment (K and V regions of a ``(2, nb, ...)`` tensor, a ``(nb, 2, ...)`` view whose
+  dim 1 jumps the whole K region, or the heads of a head-outer layout). They must not overlap
+  the blocks.
+- Dimensions with a smaller stride (and the kernel blocks of one block) make up the block:
+  those that tile each other from one element up form one dense run; the rest are *pieces*
+  with gaps between them (a head-major interior of a block-outer layout such as vLLM's
+  BHLNC, where the other layers' pages of the same head sit in between): one run per piece,
+  in memory order. A gap after the last byte (padded pages) is fine. Anything that overlaps
+  itself or its neighbours cannot be segmented and is a :class:`LayoutError` naming the layer,
   shape and strides.
+
+The bytes of one block of one tensor are therefore its bytes in memory order (its dimensions
+sorted outermost first), and a group's block is its tensors' blocks in format order.
 
 Layer objects are inspected for scale tensors (ROCm/ATOM keep them beside the cache): a
 single-element scale goes into the key namespace; a multi-element one that aliases a registered
@@ -33,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -89,6 +100,9 @@ class Segment:
     block_stride: int
     run: int
     num_blocks: int
+    # Position among its layer's segments (memory order within a tensor); breaks ties in the
+    # format order so that piece 10 never sorts before piece 2.
+    order: int = 0
     # Geometry that defines the byte format, for the fingerprint (no addresses, no num_blocks).
     describe: tuple = field(default=())
 
@@ -156,6 +170,26 @@ def _byte_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
+def _pick_block_axis(
+    dims: list[tuple[int, int, int]], num_blocks: int, fail: Callable[[str], LayoutError]
+) -> tuple[int, int, int]:
+    """The block axis among ``(index, size, byte stride)`` dims (see the module docstring)."""
+    candidates = [d for d in dims if d[1] % num_blocks == 0 and d[1] >= num_blocks
+                  and (d[1] > 1 or num_blocks == 1)]
+    if not candidates:
+        raise fail("no dimension is a whole multiple of num_blocks")
+    best = max(candidates, key=lambda d: (d[2], -d[0]))
+    exact = [d for d in candidates if d[1] == num_blocks]
+    ambiguous = (len(exact) > 1) or (best[1] != num_blocks and bool(exact))
+    if ambiguous:
+        names = ", ".join(f"dim {d[0]} (size {d[1]})" for d in candidates)
+        raise fail(
+            f"the block axis is ambiguous: {names} could each hold the blocks; pass "
+            "block_axes={layer: dim} to say which"
+        )
+    return best
+
+
 def segment_tensor(
     name: str,
     t: torch.Tensor,
@@ -173,72 +207,89 @@ def segment_tensor(
 
     if num_blocks <= 0:
         raise fail("num_blocks must be positive")
+    if t.numel() == 0:
+        raise fail("the tensor is empty")
     es = t.element_size()
     dims = [(i, int(size), int(stride) * es) for i, (size, stride) in
             enumerate(zip(t.shape, t.stride()))]
     if block_axis is None:
-        exact = [d for d in dims if d[1] == num_blocks]
-        multiples = [d for d in dims if d[1] > num_blocks and d[1] % num_blocks == 0]
-        candidates = exact or multiples
-        if not candidates:
-            raise fail("no dimension is a whole multiple of num_blocks")
-        axis = max(candidates, key=lambda d: (d[2], -d[0]))
+        axis = _pick_block_axis(dims, num_blocks, fail)
     else:
-        axis = dims[block_axis]
-        if axis[1] % num_blocks:
-            raise fail(f"dim {block_axis} is not a multiple of num_blocks")
+        if not -t.dim() <= block_axis < t.dim():
+            raise fail(f"block axis {block_axis} is not a dimension of the tensor")
+        axis = dims[block_axis % t.dim()]
+        if axis[1] % num_blocks or axis[1] == 0:
+            raise fail(f"dim {axis[0]} is not a multiple of num_blocks")
     a_idx, a_size, a_stride = axis
     ratio = a_size // num_blocks
-    if num_blocks > 1 and a_stride <= 0:
+    if a_size > 1 and a_stride <= 0:
         raise fail("the block axis has no stride")
-    inner = sorted((d for d in dims if d[0] != a_idx and d[1] > 1 and d[2] < a_stride),
-                   key=lambda d: d[2])
-    outer = [d for d in dims if d[0] != a_idx and d[1] > 1 and d[2] >= a_stride]
-    if any(d[2] == a_stride for d in outer):
+    others = [d for d in dims if d[0] != a_idx and d[1] > 1]
+    if any(d[2] <= 0 for d in others):
+        raise fail("a dimension has stride 0 or less (broadcast or flipped bytes)")
+    if a_size > 1 and any(d[2] == a_stride for d in others):
         raise fail("another dimension shares the block axis stride")
-    expected = es
-    for _, size, stride in inner:
-        if stride != expected:
-            raise fail("the bytes of one block are not contiguous")
-        expected *= size
-    dense_bytes = expected
-    if dense_bytes > a_stride and (num_blocks > 1 or ratio > 1):
+    outer = sorted((d for d in others if d[2] > a_stride), key=lambda d: d[0])
+    inner = [d for d in others if d[2] < a_stride]
+    block_stride = a_stride * ratio
+    if ratio > 1:
+        # The kernel blocks of one manager block: an inner dimension of the manager block.
+        inner.append((a_idx, ratio, a_stride))
+    inner.sort(key=lambda d: d[2])
+    # The dense run: inner dims that tile each other exactly from one element up.
+    run, k = es, 0
+    while k < len(inner) and inner[k][2] == run:
+        run *= inner[k][1]
+        k += 1
+    piece_dims = inner[k:]  # gaps between them: one run per index combination
+    extent = run
+    for _, size, stride in piece_dims:
+        if stride < extent:
+            raise fail("the bytes of one block overlap each other")
+        extent += stride * (size - 1)
+    if extent > block_stride and num_blocks > 1:
         raise fail("blocks overlap")
-    if ratio > 1 and dense_bytes == a_stride:
-        runs = [(0, ratio * a_stride)]  # kernel blocks of one manager block are adjacent
-    elif ratio > 1:
-        runs = [(j * a_stride, dense_bytes) for j in range(ratio)]
-    else:
-        runs = [(0, dense_bytes)]
+    region = (num_blocks - 1) * block_stride + extent
+    for _, size, stride in sorted(outer, key=lambda d: d[2]):
+        if stride < region:
+            raise fail("a dimension outside the block axis overlaps the blocks")
+        region += stride * (size - 1)
     n_outer = math.prod(d[1] for d in outer)
-    if n_outer * len(runs) > MAX_SEGMENTS_PER_TENSOR:
-        raise fail(f"{n_outer * len(runs)} pieces per block, more than {MAX_SEGMENTS_PER_TENSOR}")
+    n_pieces = math.prod(d[1] for d in piece_dims)
+    if n_outer * n_pieces > MAX_SEGMENTS_PER_TENSOR:
+        raise fail(f"{n_outer * n_pieces} pieces per block, more than {MAX_SEGMENTS_PER_TENSOR}")
     storage = _byte_storage(t)
     base = t.storage_offset() * es
-    inner_desc = tuple((size, stride) for _, size, stride in inner)
+    inner_desc = tuple((size, stride) for _, size, stride in inner[:k])
+    piece_desc = tuple((size, stride) for _, size, stride in piece_dims)
+    # Pieces in memory order (outermost piece dim first): offsets increase.
+    piece_offsets = [0]
+    for _, size, stride in sorted(piece_dims, key=lambda d: -d[2]):
+        piece_offsets = [o + i * stride for o in piece_offsets for i in range(size)]
+    split_kv = len(outer) == 1 and outer[0][1] == 2 and role == "kv"
     segments = []
-    outer_sorted = sorted(outer, key=lambda d: d[0])
-    split_kv = len(outer_sorted) == 1 and outer_sorted[0][1] == 2 and role == "kv"
     for flat in range(n_outer):
         idx, rem, off = [], flat, base
-        for _, size, stride in reversed(outer_sorted):
+        for _, size, stride in reversed(outer):
             rem, i = divmod(rem, size)
             idx.append(i)
             off += i * stride
         idx.reverse()
         if split_kv:
             part_role = ("k", "v")[idx[0]]
-        elif outer_sorted:
+        elif outer:
             part_role = role + "." + "_".join(map(str, idx))
         else:
             part_role = role
-        for j, (run_off, run) in enumerate(runs):
-            r = part_role if len(runs) == 1 else f"{part_role}.kb{j}"
+        for j, p_off in enumerate(piece_offsets):
+            r = part_role if len(piece_offsets) == 1 else f"{part_role}.p{j}"
             segments.append(Segment(
                 layer=name, role=r, layer_index=layer_index(name), storage=storage,
-                offset=off + run_off, block_stride=a_stride * ratio, run=run,
-                num_blocks=num_blocks,
-                describe=(name, r, str(t.dtype), inner_desc, ratio, run),
+                offset=off + p_off, block_stride=block_stride, run=run,
+                num_blocks=num_blocks, order=len(segments),
+                describe=(name, r, str(t.dtype), tuple(t.shape[:a_idx]),
+                          tuple(t.shape[a_idx + 1:]), ratio, inner_desc, piece_desc, p_off,
+                          run),
             ))
     for s in segments:
         lo, hi = s.offset, s.offset + (num_blocks - 1) * s.block_stride + s.run
@@ -324,19 +375,20 @@ def build_layout(
             tensors = _as_tensors(kv_caches[name])
             base_role = roles.get(name) or ("state" if spec.kind is GroupKind.STATE
                                             else default_role(name))
+            layer_segs: list[Segment] = []
             for ti, t in enumerate(tensors):
                 role = base_role if len(tensors) == 1 else f"{base_role}.{ti}"
-                segs += segment_tensor(name, t, num_blocks, role, block_axes.get(name))
+                layer_segs += segment_tensor(name, t, num_blocks, role, block_axes.get(name))
             layer_obj = (layers or {}).get(name)
-            if layer_obj is None:
-                continue
-            for attr, t in _tensor_attrs(layer_obj):
+            for attr, t in _tensor_attrs(layer_obj) if layer_obj is not None else []:
                 if t.numel() == 1:
                     fixed_scales[f"{name}.{attr}"] = float(t.detach().float().cpu().item())
                 elif _aliases(t, all_spans):
                     continue  # inline scales: their bytes already travel with the block
-                elif t.dim() >= 1 and t.shape[0] % num_blocks == 0:
-                    segs += segment_tensor(f"{name}.{attr}", t, num_blocks, _scale_role(attr), 0)
+                elif t.dim() >= 1 and t.shape[0] % num_blocks == 0 and t.shape[0] > 0:
+                    layer_segs += segment_tensor(
+                        f"{name}.{attr}", t, num_blocks, _scale_role(attr), 0
+                    )
                 else:
                     raise LayoutError(
                         f"layer {name!r}: scale tensor {attr!r} has {t.numel()} elements but no "
@@ -344,6 +396,9 @@ def build_layout(
                         f" num_blocks {num_blocks}); kvtier cannot tell which bytes belong to "
                         "which block"
                     )
+            for i, s in enumerate(layer_segs):
+                s.order = i
+            segs += layer_segs
         segs = _order_and_merge(segs, gid)
         if not segs:
             raise LayoutError(f"KV-cache group {gid} has no bytes to move")
@@ -354,7 +409,7 @@ def build_layout(
 
 
 def _order_and_merge(segs: list[Segment], gid: int) -> list[Segment]:
-    segs.sort(key=lambda s: (s.layer_index, _role_rank(s.role), s.layer, s.role))
+    segs.sort(key=lambda s: (s.layer_index, _role_rank(s.role), s.layer, s.order))
     seen: dict[tuple[int, int, int, int], Segment] = {}
     unique: list[Segment] = []
     for s in segs:
@@ -363,14 +418,15 @@ def _order_and_merge(segs: list[Segment], gid: int) -> list[Segment]:
         seen[s.address] = s
         unique.append(s)
     by_start = sorted(unique, key=lambda s: s.span())
-    for a, b in zip(by_start, by_start[1:]):
-        if a.storage.data_ptr() != b.storage.data_ptr():
-            continue
-        if _overlap(a, b):
-            raise LayoutError(
-                f"KV-cache group {gid}: segments {a.layer}/{a.role} and {b.layer}/{b.role} "
-                "overlap without being the same bytes"
-            )
+    for i, a in enumerate(by_start):
+        for b in by_start[i + 1:]:
+            if b.span()[0] >= a.span()[1]:
+                break
+            if a.storage.data_ptr() == b.storage.data_ptr() and _overlap(a, b):
+                raise LayoutError(
+                    f"KV-cache group {gid}: segments {a.layer}/{a.role} and {b.layer}/{b.role}"
+                    " overlap without being the same bytes"
+                )
     merged: list[Segment] = []
     for s in unique:
         p = merged[-1] if merged else None
@@ -379,7 +435,8 @@ def _order_and_merge(segs: list[Segment], gid: int) -> list[Segment]:
             merged[-1] = Segment(
                 layer=p.layer, role=p.role, layer_index=p.layer_index, storage=p.storage,
                 offset=p.offset, block_stride=p.block_stride, run=p.run + s.run,
-                num_blocks=p.num_blocks, describe=(*p.describe, "+", *s.describe),
+                num_blocks=p.num_blocks, order=p.order,
+                describe=(*p.describe, "+", *s.describe),
             )
         else:
             merged.append(s)
@@ -388,9 +445,11 @@ def _order_and_merge(segs: list[Segment], gid: int) -> list[Segment]:
 
 def _overlap(a: Segment, b: Segment) -> bool:
     """Do two segments of one storage share a byte? Exact for equal strides, else by span."""
-    if a.block_stride == b.block_stride and a.block_stride > 0:
-        lo_a, lo_b = a.offset % a.block_stride, b.offset % b.block_stride
-        return lo_a < lo_b + b.run and lo_b < lo_a + a.run and _spans_meet(a, b)
+    if a.block_stride == b.block_stride and a.block_stride > 0 and a.num_blocks == b.num_blocks:
+        # Block i of a meets block j of b iff d - a.run < (i - j) * stride < d + b.run.
+        stride, d, n = a.block_stride, b.offset - a.offset, a.num_blocks
+        k = max((d - a.run) // stride + 1, -(n - 1))
+        return k <= n - 1 and k * stride < d + b.run
     return _spans_meet(a, b)
 
 
