@@ -5,22 +5,33 @@ Contract:
 - Byte sizes carry explicit units: ``"64GiB"``, ``"512MiB"``, ``"1.5GB"``. A bare number is
   an error (is it bytes? GiB?), as is an ambiguous suffix such as ``"64G"``.
 - Unknown keys are errors, in the dict and in the environment (a ``KVTIER_`` variable that
-  names no field), and the message names the closest field.
+  names no field), and the message names the closest field. The only ``KVTIER_`` variables
+  that are not settings are those in :data:`NON_SETTING_ENV` (switches of the test scripts).
 - The dict wins over the environment: the engine's own configuration is the more specific one.
-- Impossible combinations are rejected at start-up with what to write instead.
+  A key given twice in the dict (``dram_size`` and ``kvtier.dram_size``) is an error.
+- Every error names where the bad value came from (the dict key or the environment variable).
+- Impossible combinations are rejected at start-up with what to write instead, including a
+  chunk size that is not a multiple of every KV-cache group's block size
+  (:meth:`KvtierConfig.resolve_chunk_tokens`).
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "KVTIER_"
+DICT_PREFIX = "kvtier."
+# KVTIER_ variables that are not settings: switches of scripts/test.sh.
+NON_SETTING_ENV = frozenset({"KVTIER_SOAK"})
+DEFAULT_MIN_CHUNK_TOKENS = 256
 
 _UNITS = {
     "B": 1,
@@ -57,15 +68,32 @@ def parse_bytes(value: object) -> int:
         )
     number, unit = m.group(1), m.group(2)
     if unit not in _UNIT_SPELLING:
+        guess = _unit_guess(unit)
         raise ValueError(
             f"unknown unit {unit!r} in {value!r}: use B, KB, MB, GB, TB (powers of 1000) "
-            f"or KiB, MiB, GiB, TiB (powers of 1024), e.g. '{number}GiB'"
+            f"or KiB, MiB, GiB, TiB (powers of 1024), e.g. '{number}{guess}'"
         )
     factor = _UNITS[unit.upper()]
-    size = float(number) * factor
-    if size != int(size):
-        raise ValueError(f"{value!r} is not a whole number of bytes")
+    size = Decimal(number) * factor  # exact: "0.1KB" is 100 bytes, not 100.00000000000001
+    if size != size.to_integral_value():
+        raise ValueError(
+            f"{value!r} is not a whole number of bytes: write it in a smaller unit"
+        )
     return int(size)
+
+
+def _unit_guess(unit: str) -> str:
+    """The unit someone writing ``unit`` most likely meant ("G" -> "GiB", "mib" -> "MiB")."""
+    u = unit.upper()
+    for spelled in _UNIT_SPELLING:
+        if spelled.upper() == u:
+            return spelled
+    letter = u[:1]
+    if letter in "KMGT" and u in (letter, letter + "I", letter + "IB", letter + "B"):
+        return f"{letter}iB"
+    if u.startswith(("KILO", "MEGA", "GIGA", "TERA")):
+        return f"{letter}iB"
+    return "GiB"
 
 
 def format_bytes(n: int) -> str:
@@ -78,6 +106,7 @@ def format_bytes(n: int) -> str:
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+PositiveByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
 
 PolicyName = Literal["lru", "slru", "s3fifo"]
 AdmissionName = Literal["always", "second_sight"]
@@ -88,7 +117,7 @@ class KvtierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dram_size: ByteSize = Field(
+    dram_size: PositiveByteSize = Field(
         default=4 * 2**30,
         description="Host DRAM for stored KV, per engine, all ranks together (e.g. '64GiB').",
     )
@@ -116,7 +145,7 @@ class KvtierConfig(BaseModel):
         default=True,
         description="Also save chunks of generated tokens (an agent's next turn starts with them).",
     )
-    state_size: ByteSize | None = Field(
+    state_size: PositiveByteSize | None = Field(
         default=None,
         description="DRAM reserved for recurrent-state objects, out of dram_size. Default: a "
         "quarter of dram_size when the model has recurrent state, else none.",
@@ -130,10 +159,10 @@ class KvtierConfig(BaseModel):
     max_pins: int = Field(
         default=1 << 16, ge=1, description="Chunks pinned by decided loads at once."
     )
-    gpu_staging_size: ByteSize = Field(
+    gpu_staging_size: PositiveByteSize = Field(
         default=256 * 2**20, description="Device staging memory for transfers (at most)."
     )
-    pin_step_size: ByteSize = Field(
+    pin_step_size: PositiveByteSize = Field(
         default=2**30, description="Host memory is pinned with CUDA in steps of this size."
     )
     link_gbps: float = Field(
@@ -182,7 +211,9 @@ class KvtierConfig(BaseModel):
             )
         if self.gpu_staging_size > self.dram_size:
             raise ValueError(
-                "gpu_staging_size is larger than dram_size: staging only needs a few chunks"
+                f"gpu_staging_size ({format_bytes(self.gpu_staging_size)}) is larger than "
+                f"dram_size ({format_bytes(self.dram_size)}): write gpu_staging_size of at "
+                f"most {format_bytes(self.dram_size)} (staging only needs a few chunks)"
             )
         return self
 
@@ -204,34 +235,79 @@ class KvtierConfig(BaseModel):
         environ = os.environ if environ is None else environ
         names = cls.field_names()
         values: dict[str, Any] = {}
+        source: dict[str, str] = {}
         for var, raw in environ.items():
-            if not var.startswith(ENV_PREFIX):
+            if not var.startswith(ENV_PREFIX) or var in NON_SETTING_ENV:
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in names:
-                raise ConfigError(_unknown(var, [ENV_PREFIX + n.upper() for n in names]))
+                raise ConfigError(_unknown(var, name, names, "environment variable",
+                                           ENV_PREFIX))
             values[name] = raw
+            source[name] = f"environment variable {var}"
+        seen_in_dict: dict[str, str] = {}
         for key, raw in (extra_config or {}).items():
-            name = key[len("kvtier.") :] if key.startswith("kvtier.") else key
+            if not isinstance(key, str):
+                raise ConfigError(f"kvtier setting keys are strings, got {key!r}")
+            name = key[len(DICT_PREFIX) :] if key.startswith(DICT_PREFIX) else key
             if name not in names:
-                raise ConfigError(_unknown(key, names))
+                prefix = DICT_PREFIX if key.startswith(DICT_PREFIX) else ""
+                raise ConfigError(_unknown(key, name, names, "setting", prefix))
+            if name in seen_in_dict:
+                raise ConfigError(
+                    f"kvtier setting {name!r} is given twice in kv_connector_extra_config "
+                    f"(as {seen_in_dict[name]!r} and {key!r}): keep one"
+                )
+            seen_in_dict[name] = key
             values[name] = raw
+            source[name] = f"kv_connector_extra_config[{key!r}]"
         try:
             return cls.model_validate(values)
         except ValidationError as e:
-            raise ConfigError(_explain(e)) from None
+            raise ConfigError(_explain(e, source)) from None
+
+    def resolve_chunk_tokens(self, block_sizes: Sequence[int]) -> int:
+        """The chunk size for KV-cache groups with these block sizes (tokens).
+
+        Default: the smallest multiple of their LCM that is at least 256. A configured
+        ``chunk_tokens`` must be a multiple of every block size; otherwise the error says
+        which values would work.
+        """
+        if not block_sizes or any(b <= 0 for b in block_sizes):
+            raise ConfigError(f"block sizes must be positive, got {list(block_sizes)}")
+        lcm = math.lcm(*block_sizes)
+        if self.chunk_tokens is None:
+            return lcm * max(1, -(-DEFAULT_MIN_CHUNK_TOKENS // lcm))
+        if self.chunk_tokens % lcm:
+            lower = self.chunk_tokens // lcm * lcm
+            upper = lower + lcm
+            choices = " or ".join(str(v) for v in (lower, upper) if v > 0)
+            raise ConfigError(
+                f"kvtier setting 'chunk_tokens' ({self.chunk_tokens}) is not a multiple of "
+                f"every KV-cache block size {sorted(set(block_sizes))} (their LCM is {lcm}): "
+                f"write chunk_tokens={choices}, or leave it unset"
+            )
+        return self.chunk_tokens
 
 
-def _unknown(key: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}?" if close else f"known settings: {', '.join(choices)}"
-    return f"unknown kvtier setting {key!r}: {hint}"
+def _unknown(key: str, name: str, choices: list[str], what: str, prefix: str = "") -> str:
+    """``name`` is ``key`` without its prefix; suggestions compare names, not prefixes."""
+    close = difflib.get_close_matches(name.lower(), choices, n=1, cutoff=0.6)
+    if close:
+        spelled = prefix + (close[0].upper() if prefix == ENV_PREFIX else close[0])
+        hint = f"did you mean {spelled!r}?"
+    else:
+        known = [prefix + (c.upper() if prefix == ENV_PREFIX else c) for c in choices]
+        hint = f"known settings: {', '.join(known)}"
+    return f"unknown kvtier {what} {key!r}: {hint}"
 
 
-def _explain(err: ValidationError) -> str:
+def _explain(err: ValidationError, source: Mapping[str, str]) -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "config"
+        field = str(e["loc"][0]) if e["loc"] else ""
+        where = source.get(field) or (f"setting {field!r}" if field else "configuration")
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"kvtier setting {where!r}: {msg} (got {e.get('input')!r})")
+        got = f" (got {e['input']!r})" if field else ""
+        lines.append(f"kvtier {where}: {msg}{got}")
     return "; ".join(lines)

@@ -1,0 +1,203 @@
+"""kvtier.config: one typed configuration from kv_connector_extra_config and KVTIER_* variables."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.config import (
+    ENV_PREFIX,
+    NON_SETTING_ENV,
+    ConfigError,
+    KvtierConfig,
+    format_bytes,
+    parse_bytes,
+)
+
+GiB = 2**30
+MiB = 2**20
+
+
+def load(extra: dict[str, object] | None = None, env: dict[str, str] | None = None
+         ) -> KvtierConfig:
+    return KvtierConfig.load(extra or {}, env or {})
+
+
+# --- sources and precedence -------------------------------------------------------------------
+
+def test_defaults_need_nothing() -> None:
+    c = load()
+    assert c.dram_size == 4 * GiB and c.policy == "slru" and c.chunk_tokens is None
+
+
+def test_read_from_dict_bare_and_prefixed() -> None:
+    c = load({"dram_size": "64GiB", "kvtier.policy": "lru", "chunk_tokens": 512,
+              "save_generated_tokens": False})
+    assert c.dram_size == 64 * GiB
+    assert c.policy == "lru" and c.chunk_tokens == 512 and c.save_generated_tokens is False
+
+
+def test_read_from_environment_with_one_prefix() -> None:
+    env = {"KVTIER_DRAM_SIZE": "8GiB", "KVTIER_POLICY": "s3fifo", "KVTIER_MAX_PINS": "12",
+           "KVTIER_COST_MODEL": "false", "KVTIER_LINK_GBPS": "55.5", "OTHER": "x"}
+    c = load(env=env)
+    assert (c.dram_size, c.policy, c.max_pins, c.cost_model, c.link_gbps) == (
+        8 * GiB, "s3fifo", 12, False, 55.5)
+
+
+def test_dict_wins_over_environment() -> None:
+    c = load({"dram_size": "16GiB"}, {"KVTIER_DRAM_SIZE": "8GiB", "KVTIER_POLICY": "lru"})
+    assert c.dram_size == 16 * GiB and c.policy == "lru"
+
+
+def test_load_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_ADMISSION", "second_sight")
+    assert KvtierConfig.load({}).admission == "second_sight"
+    monkeypatch.setenv("KVTIER_ADMISSON", "always")
+    with pytest.raises(ConfigError, match="KVTIER_ADMISSION"):
+        KvtierConfig.load({})
+
+
+def test_the_configuration_is_frozen() -> None:
+    c = load()
+    with pytest.raises(Exception, match="frozen"):
+        c.dram_size = 1  # type: ignore[misc]
+
+
+# --- unknown keys ------------------------------------------------------------------------------
+
+def test_unknown_dict_key_names_the_closest_field() -> None:
+    with pytest.raises(ConfigError) as e:
+        load({"dram_sise": "1GiB"})
+    assert "'dram_sise'" in str(e.value) and "did you mean 'dram_size'" in str(e.value)
+
+
+def test_unknown_prefixed_dict_key() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'kvtier.policy'"):
+        load({"kvtier.polcy": "lru"})
+
+
+def test_unknown_key_without_close_match_lists_the_settings() -> None:
+    with pytest.raises(ConfigError) as e:
+        load({"completely_unrelated": 1})
+    assert "known settings" in str(e.value) and "dram_size" in str(e.value)
+
+
+def test_environment_variable_that_names_no_field() -> None:
+    with pytest.raises(ConfigError) as e:
+        load(env={"KVTIER_DRAM_SIZ": "1GiB"})
+    msg = str(e.value)
+    assert "environment variable 'KVTIER_DRAM_SIZ'" in msg
+    assert "did you mean 'KVTIER_DRAM_SIZE'" in msg
+
+
+def test_environment_variable_with_no_close_match() -> None:
+    with pytest.raises(ConfigError, match="KVTIER_GPU_STAGING_SIZE"):
+        load(env={"KVTIER_FOO": "1"})
+
+
+def test_test_switches_are_not_settings() -> None:
+    # scripts/test.sh documents KVTIER_SOAK=1: a soak run must still start the connector.
+    assert "KVTIER_SOAK" in NON_SETTING_ENV
+    assert load(env={"KVTIER_SOAK": "1"}) == load()
+
+
+def test_same_setting_twice_in_the_dict() -> None:
+    with pytest.raises(ConfigError, match=r"given twice.*keep one"):
+        load({"dram_size": "1GiB", "kvtier.dram_size": "2GiB"})
+
+
+def test_every_field_has_an_environment_variable() -> None:
+    env = {ENV_PREFIX + n.upper(): "x" for n in KvtierConfig.field_names()}
+    # each name is accepted as a name (values are then validated: "x" is mostly invalid)
+    with pytest.raises(ConfigError) as e:
+        load(env=env)
+    assert "unknown" not in str(e.value)
+
+
+# --- byte sizes --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("64GiB", 64 * GiB), ("512MiB", 512 * MiB), ("1.5GB", 1_500_000_000), ("1 KiB", 1024),
+    ("0.1KB", 100), ("3TB", 3 * 10**12), ("2TiB", 2 * 2**40), ("17B", 17), (" 4 GiB ", 4 * GiB),
+])
+def test_sizes_with_units(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize(("value", "hint"), [
+    ("64", "unit"), (64, "explicit unit"), (64.0, "explicit unit"), (True, "explicit unit"),
+    ("64G", "'64GiB'"), ("64gib", "GiB"), ("64 gigabytes", "GiB"), ("-1GiB", "e.g. '64GiB'"),
+    ("1.5B", "whole number of bytes"), ("GiB", "e.g. '64GiB'"), ("1e9B", "e.g. '64GiB'"),
+])
+def test_wrong_units_say_what_to_write(value: object, hint: str) -> None:
+    with pytest.raises(ValueError, match=hint):
+        parse_bytes(value)
+    with pytest.raises(ConfigError) as e:
+        load({"dram_size": value})
+    assert "dram_size" in str(e.value) and hint in str(e.value)
+
+
+def test_bad_size_in_environment_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as e:
+        load(env={"KVTIER_GPU_STAGING_SIZE": "256M"})
+    assert "environment variable KVTIER_GPU_STAGING_SIZE" in str(e.value)
+    assert "e.g. '256MiB'" in str(e.value)  # what "M" most likely meant
+
+
+def test_sizes_must_be_positive() -> None:
+    for field in ("dram_size", "gpu_staging_size", "pin_step_size", "state_size"):
+        with pytest.raises(ConfigError, match=field):
+            load({field: "0GiB"})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**50))
+def test_format_then_parse_is_identity(n: int) -> None:
+    assert parse_bytes(format_bytes(n)) == n
+
+
+# --- other values and impossible combinations -------------------------------------------------
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"policy": "lfu"}, "policy"), ({"slru_protected_fraction": 1.0}, "slru_protected_fraction"),
+    ({"chunk_tokens": 0}, "chunk_tokens"), ({"max_pending_saves": "many"}, "max_pending_saves"),
+    ({"admission": "sometimes"}, "admission"), ({"link_gbps": -3}, "link_gbps"),
+])
+def test_bad_values_name_the_setting_and_the_value(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(extra)
+    assert field in str(e.value) and repr(next(iter(extra.values()))) in str(e.value)
+
+
+def test_state_size_must_leave_room_for_kv() -> None:
+    with pytest.raises(ConfigError) as e:
+        load({"dram_size": "8GiB", "state_size": "8GiB"})
+    assert "raise dram_size or lower state_size" in str(e.value)
+    assert load({"dram_size": "8GiB", "state_size": "2GiB"}).state_size == 2 * GiB
+
+
+def test_staging_larger_than_dram_says_what_fits() -> None:
+    with pytest.raises(ConfigError) as e:
+        load({"dram_size": "128MiB"})  # the 256MiB staging default no longer fits
+    assert "gpu_staging_size of at most 128MiB" in str(e.value)
+    assert load({"dram_size": "128MiB", "gpu_staging_size": "64MiB"}).dram_size == 128 * MiB
+
+
+def test_chunk_size_default_is_a_multiple_of_every_block_size() -> None:
+    c = load()
+    assert c.resolve_chunk_tokens([16]) == 256
+    assert c.resolve_chunk_tokens([16, 64]) == 256
+    assert c.resolve_chunk_tokens([528, 16]) == 528  # mamba hybrids raise attention blocks
+    assert c.resolve_chunk_tokens([96, 64]) == 384
+
+
+def test_chunk_size_not_a_multiple_of_the_block_sizes() -> None:
+    c = load({"chunk_tokens": 100})
+    with pytest.raises(ConfigError) as e:
+        c.resolve_chunk_tokens([16, 64])
+    assert "chunk_tokens=64 or 128" in str(e.value) and "LCM is 64" in str(e.value)
+    assert load({"chunk_tokens": 512}).resolve_chunk_tokens([16, 64]) == 512
+    with pytest.raises(ConfigError, match="chunk_tokens=96"):
+        load({"chunk_tokens": 40}).resolve_chunk_tokens([96])
