@@ -94,3 +94,29 @@ def scatter(
         width = seg.run * blocks_per_chunk
         rows = src[:, off : off + width].to(dev).reshape(n_chunks * blocks_per_chunk, seg.run)
         seg.blocks().index_copy_(0, idx, rows)
+
+
+def scatter_positions(
+    group: GroupLayout, block_ids: Sequence[int], blocks_per_chunk: int, src: torch.Tensor,
+    skip: int = -1,
+) -> None:
+    """Like :func:`scatter` for one chunk, writing only the positions whose id is not ``skip``
+    (blocks already in the prefix cache, or outside a sliding window)."""
+    if len(block_ids) != blocks_per_chunk:
+        raise CodecError(f"{len(block_ids)} ids for a {blocks_per_chunk}-block chunk")
+    keep = [i for i, b in enumerate(block_ids) if b != skip]
+    ids = [block_ids[i] for i in keep]
+    if len(set(ids)) != len(ids):
+        raise CodecError(f"duplicate block ids in {list(block_ids)}")
+    bad = [b for b in ids if not 0 <= b < group.num_blocks]
+    if bad:
+        raise CodecError(f"block ids {bad} are outside [0, {group.num_blocks})")
+    src = _check_buffer(src, chunk_bytes(group, blocks_per_chunk))
+    if not ids:
+        return
+    for seg, off in zip(group.segments, segment_offsets(group, blocks_per_chunk)):
+        dev = seg.storage.device
+        rows = src[off : off + seg.run * blocks_per_chunk].view(blocks_per_chunk, seg.run)
+        pos = torch.as_tensor(keep, dtype=torch.long, device=rows.device)
+        idx = torch.as_tensor(ids, dtype=torch.long, device=dev)
+        seg.blocks().index_copy_(0, idx, rows.index_select(0, pos).to(dev))

@@ -19,8 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvtier.config import KvtierConfig
 from kvtier.index.base import Index
 from kvtier.layout import GroupKind
+from kvtier.slab import SlabPlan, plan_slab
 
 
 class Decline(str, Enum):
@@ -248,3 +250,23 @@ def chunks_to_save(
     limit = computed_tokens if save_generated else min(computed_tokens, num_prompt_tokens)
     last = min(limit // chunk_tokens, num_keys)
     return range(first_unsaved, max(first_unsaved, last))
+
+
+def make_slab_plan(config: KvtierConfig, geometry: Geometry, num_shards: int) -> SlabPlan:
+    """The slab geometry both halves derive, identically, from config and layout."""
+    kv = [geometry.chunk_bytes(g) for g in geometry.kv_groups]
+    state = [geometry.chunk_bytes(g) for g in geometry.state_groups]
+    return plan_slab(
+        config.dram_size, kv, num_shards=num_shards,
+        state_slot_bytes=max(state) if state else None, state_bytes=config.state_size,
+    )
+
+
+def slot_classes(geometry: Geometry) -> list[int]:
+    kv = geometry.kv_groups
+    out = [0] * len(geometry.groups)
+    for i, g in enumerate(kv):
+        out[g] = i
+    for g in geometry.state_groups:
+        out[g] = len(kv)
+    return out

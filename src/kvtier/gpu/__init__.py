@@ -1,0 +1,1 @@
+"""The GPU data path (CUDA streams, events, batched copies). Imported only where CUDA is."""

@@ -1,0 +1,75 @@
+"""What the scheduler half tells the workers each step, and what they report back.
+
+Plain dataclasses of ints and strings: they travel pickled inside vLLM's connector metadata
+(scheduler -> workers) and worker metadata (workers -> scheduler), so they stay small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SKIP = -1
+"""A block id in a load that must not be written (already in HBM, or outside a window)."""
+
+
+@dataclass
+class TransferOp:
+    """Move one chunk of one group between GPU blocks and one slab slot.
+
+    ``block_ids`` has one entry per block of the chunk (one for a recurrent-state object);
+    in loads an entry may be :data:`SKIP`.
+    """
+
+    group: int
+    slot: int
+    block_ids: list[int]
+
+
+@dataclass
+class Job:
+    """One unit the scheduler counts completions of: a chunk to save, or a request to load."""
+
+    job_id: int
+    req_id: str
+    ops: list[TransferOp]
+    chunk: int = -1  # saves: the chunk index (for tests and fault injection)
+
+
+@dataclass
+class StepPlan:
+    """The connector metadata of one engine step."""
+
+    step: int = 0
+    loads: list[Job] = field(default_factory=list)
+    saves: list[Job] = field(default_factory=list)
+    fence: list[int] = field(default_factory=list)  # save jobs the next compute must wait for
+    reset: bool = False
+
+
+@dataclass
+class WorkerReport:
+    """Completions of one step, summed over workers. Values: [ok, failed] per job."""
+
+    saves: dict[int, list[int]] = field(default_factory=dict)
+    loads: dict[int, list[int]] = field(default_factory=dict)
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+    fences_waited: int = 0
+
+    def add(self, other: WorkerReport) -> WorkerReport:
+        for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads)):
+            for job, (ok, failed) in theirs.items():
+                cur = mine.setdefault(job, [0, 0])
+                cur[0] += ok
+                cur[1] += failed
+        self.bytes_saved += other.bytes_saved
+        self.bytes_loaded += other.bytes_loaded
+        self.save_seconds += other.save_seconds
+        self.load_seconds += other.load_seconds
+        self.fences_waited += other.fences_waited
+        return self
+
+    def empty(self) -> bool:
+        return not (self.saves or self.loads)

@@ -1,0 +1,487 @@
+"""The scheduler half, engine-agnostic: requests, decisions, jobs and their completions.
+
+It owns all metadata (index, policy, slot numbering, jobs); workers only move bytes. The
+engine adapter calls, per step and in this order:
+
+1. ``lookup`` for waiting requests (side-effect free apart from key hashing; may be repeated),
+   then ``start_load`` once the engine allocated blocks for a promised hit;
+2. ``on_blocks`` for every scheduled request's new blocks (this also collects the step's
+   allocations, which ``build_step`` fences against in-flight saves);
+3. ``plan_saves`` for every scheduled request, then ``build_step`` -> :class:`StepPlan`;
+4. ``on_report`` with the workers' summed :class:`WorkerReport` of each finished step.
+
+Contracts (DESIGN.md §2):
+- A load is decided in ``lookup`` and pinned in ``start_load``; the pins end only when every
+  worker reported the load job, success or failure. A failed load marks the request so the
+  same hit is never offered again.
+- A chunk becomes visible (``commit``) only when every rank reported its bytes written; a
+  failure on any rank aborts it.
+- Every save job is registered by its source blocks until it completes; a step that allocates
+  one of those blocks, or preempts its request, fences the job.
+- Bounds: pending save chunks, pending load chunks and pins; beyond them a save is dropped and
+  a hit declined, with a reason, never a wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config import KvtierConfig
+from kvtier.index.base import DeclineSave, Entry
+from kvtier.index.memory import GroupIndexSpec, MemoryIndex
+from kvtier.keys import ExtraKeysFn, RequestKeys
+from kvtier.layout import GroupKind
+from kvtier.ops import SKIP, Job, StepPlan, TransferOp, WorkerReport
+from kvtier.planner import (
+    CostEstimates,
+    Decline,
+    Geometry,
+    Hit,
+    chunks_to_save,
+    decide_load,
+    find_hit,
+    slot_classes,
+)
+from kvtier.policy import make_admission, make_policy
+from kvtier.slab import SlabPlan, SlotAllocator
+
+NULL_BLOCK = 0
+"""vLLM's placeholder block id (skipped sliding-window positions)."""
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    keys: RequestKeys
+    block_ids: list[list[int]]
+    saved_chunks: int = 0  # chunks [0, saved_chunks) were considered for saving
+    load_failed: bool = False
+    pending_hit: tuple[Hit, int] | None = None  # decided in lookup: (hit, hbm_tokens)
+    load_job: int | None = None
+    save_jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+    last_decline: Decline | None = None
+
+
+@dataclass
+class _JobState:
+    job: Job
+    kind: str  # "save" | "load"
+    entries: list[Entry]
+    blocks: list[tuple[int, int]]  # (group, block id) read by a save
+    chunks: int
+    ok: int = 0
+    failed: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (the connector turns deltas into vLLM stats)."""
+
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    declined: Counter = field(default_factory=Counter)
+    loads_started: int = 0
+    loads_ok: int = 0
+    loads_failed: int = 0
+    loaded_tokens: int = 0
+    saves_planned: int = 0
+    saves_committed: int = 0
+    saves_failed: int = 0
+    saves_dropped: Counter = field(default_factory=Counter)
+    fences: int = 0
+    unsaveable_requests: int = 0
+    resets: int = 0
+
+
+class OffloadScheduler:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        geometry: Geometry,
+        namespace: bytes,
+        plan: SlabPlan,
+        world_size: int = 1,
+        loads_enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.namespace = namespace
+        self.world_size = world_size
+        self.loads_enabled = loads_enabled
+        self.clock = clock
+        self.slot_class = slot_classes(geometry)
+        state_groups = geometry.state_groups
+        specs = []
+        for g, gg in enumerate(geometry.groups):
+            cls = self.slot_class[g]
+            specs.append(GroupIndexSpec(
+                slot_class=cls,
+                policy=make_policy(config.policy, plan.classes[cls].num_slots, config),
+                chained=gg.kind is GroupKind.FULL,
+                coupled_state=state_groups[0] if state_groups and gg.kind is GroupKind.FULL
+                else None,
+            ))
+        self.allocator = SlotAllocator.for_plan(plan)
+        self.index = MemoryIndex(specs, self.allocator)
+        self.admission = make_admission(config)
+        self.estimates = CostEstimates(
+            link_gbps=config.link_gbps,
+            prefill_seconds_per_token=config.prefill_seconds_per_token,
+            step_seconds=config.step_seconds,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.jobs: dict[int, _JobState] = {}
+        self._job_ids = itertools.count(1)
+        self._block_jobs: dict[tuple[int, int], set[int]] = {}
+        self._step = 0
+        self._step_loads: list[Job] = []
+        self._step_saves: list[Job] = []
+        self._step_allocated: set[tuple[int, int]] = set()
+        self._step_preempted: set[str] = set()
+        self._reset_pending = False
+        self._pending_save_chunks = 0
+        self._pending_load_chunks = 0
+        self._pinned_chunks = 0
+        self.stats = SchedulerStats()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self, req_id: str, cache_salt: str | None = None, extra_keys: ExtraKeysFn | None = None
+    ) -> RequestState:
+        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys)
+        st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
+        self.requests[req_id] = st
+        return st
+
+    def lookup(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int:
+        """Tokens kvtier will load beyond ``hbm_tokens`` for a request whose known tokens
+        are ``tokens`` (0: compute them). The decision is final once the engine allocates."""
+        st = self.requests[req_id]
+        self.stats.lookups += 1
+        hit = self._decide(st, tokens, hbm_tokens)
+        if hit.ok:
+            st.pending_hit = (hit, hbm_tokens)
+            return hit.tokens
+        st.pending_hit = None
+        if hit.reason is not None and hit.reason is not st.last_decline:
+            st.last_decline = hit.reason
+            self.stats.declined[hit.reason.value] += 1
+        return 0
+
+    def _decide(self, st: RequestState, tokens: Sequence[int], hbm_tokens: int) -> Hit:
+        if not self.loads_enabled:
+            return Hit.declined(Decline.LOADS_DISABLED)
+        if st.load_failed:
+            return Hit.declined(Decline.FAILED_BEFORE)
+        st.keys.update(tokens)
+        if st.keys.unsaveable:
+            return Hit.declined(Decline.UNSAVEABLE)
+        hit = find_hit(self.index, self.geometry, st.keys.keys, len(tokens), hbm_tokens)
+        hit = decide_load(self.geometry, hit, hbm_tokens, self.estimates, self.config.cost_model)
+        if not hit.ok:
+            return hit
+        chunks = hit.boundary - hbm_tokens // self.geometry.chunk_tokens
+        if (self._pending_load_chunks + chunks > self.config.max_pending_loads
+                or self._pinned_chunks + chunks > self.config.max_pins):
+            return Hit.declined(Decline.LOAD_BOUND)
+        return hit
+
+    def start_load(
+        self, req_id: str, num_external_tokens: int, block_ids: Sequence[Sequence[int]]
+    ) -> Job:
+        """The engine allocated ``block_ids`` (all of the request's blocks, per group) for a
+        promised hit: pin its chunks and queue the load for this step's plan."""
+        st = self.requests[req_id]
+        if st.pending_hit is None or st.pending_hit[0].tokens != num_external_tokens:
+            raise RuntimeError(
+                f"request {req_id}: the engine allocated {num_external_tokens} external tokens "
+                f"that kvtier did not promise ({st.pending_hit})"
+            )
+        hit, hbm = st.pending_hit
+        st.pending_hit = None
+        self._set_blocks(st, block_ids)
+        c = self.geometry.chunk_tokens
+        entries: list[Entry] = []
+        ops: list[TransferOp] = []
+        first_chunk = hbm // c
+        for g, gg in enumerate(self.geometry.groups):
+            if gg.kind is GroupKind.STATE:
+                chunks = range(hit.boundary - 1, hit.boundary)
+            elif gg.kind is GroupKind.SLIDING_WINDOW:
+                window = self.geometry.window_chunks(g, hit.boundary)
+                chunks = range(max(first_chunk, window.start), hit.boundary)
+            else:
+                chunks = range(first_chunk, hit.boundary)
+            keys = [st.keys.keys[j] for j in chunks]
+            pinned = self.index.pin(g, keys)
+            self.index.touch(g, keys)
+            entries += pinned
+            for j, e in zip(chunks, pinned):
+                ops.append(TransferOp(g, e.slot, self._load_blocks(st, g, j, hbm)))
+        job = Job(next(self._job_ids), req_id, ops)
+        n_chunks = hit.boundary - first_chunk
+        self.jobs[job.job_id] = _JobState(job, "load", entries, [], n_chunks)
+        self._pending_load_chunks += n_chunks
+        self._pinned_chunks += len(entries)
+        st.load_job = job.job_id
+        self._step_loads.append(job)
+        self.stats.loads_started += 1
+        self.stats.hits += 1
+        self.stats.hit_tokens += hit.tokens
+        return job
+
+    def _load_blocks(self, st: RequestState, g: int, chunk: int, hbm_tokens: int) -> list[int]:
+        gg = self.geometry.groups[g]
+        if gg.kind is GroupKind.STATE:
+            return [self._state_block(st, g, (chunk + 1) * self.geometry.chunk_tokens)]
+        bpc = self.geometry.blocks_per_chunk(g)
+        first_needed = hbm_tokens // gg.block_size  # blocks below are the HBM hit: shared
+        out = []
+        for i in range(chunk * bpc, (chunk + 1) * bpc):
+            bid = st.block_ids[g][i] if i < len(st.block_ids[g]) else NULL_BLOCK
+            out.append(SKIP if i < first_needed or bid == NULL_BLOCK else bid)
+        return out
+
+    def _state_block(self, st: RequestState, g: int, boundary_tokens: int) -> int:
+        """The block of a state group holding the state after ``boundary_tokens`` tokens."""
+        idx = boundary_tokens // self.geometry.groups[g].block_size - 1
+        return st.block_ids[g][idx]
+
+    def on_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]] | None,
+                  replace: bool = False) -> None:
+        """Track a request's block table; ``replace`` for requests resumed from preemption."""
+        st = self.requests.get(req_id)
+        if st is None or new_block_ids is None:
+            return
+        if replace:
+            st.block_ids = [[] for _ in self.geometry.groups]
+        for g, ids in enumerate(new_block_ids):
+            if g < len(st.block_ids):
+                st.block_ids[g].extend(ids)
+                self._step_allocated.update((g, b) for b in ids if b != NULL_BLOCK)
+
+    def _set_blocks(self, st: RequestState, block_ids: Sequence[Sequence[int]]) -> None:
+        st.block_ids = [list(ids) for ids in block_ids]
+        for g, ids in enumerate(block_ids):
+            self._step_allocated.update((g, b) for b in ids if b != NULL_BLOCK)
+
+    def note_allocated(self, block_ids: Sequence[Sequence[int]]) -> None:
+        """Blocks handed out this step that no request table shows (e.g. copy targets)."""
+        for g, ids in enumerate(block_ids):
+            self._step_allocated.update((g, b) for b in ids if b != NULL_BLOCK)
+
+    def on_preempted(self, req_id: str) -> None:
+        st = self.requests.get(req_id)
+        if st is None:
+            return
+        self._step_preempted.add(req_id)
+        st.block_ids = [[] for _ in self.geometry.groups]
+        # a preempted request recomputes from a new lookup; chunks it already saved stay
+        st.pending_hit = None
+
+    # -- saves ------------------------------------------------------------------------------
+    def plan_saves(
+        self, req_id: str, tokens: Sequence[int], computed_after_step: int, num_prompt: int
+    ) -> list[Job]:
+        """Queue saves of the chunks that are full and computed after this step."""
+        st = self.requests.get(req_id)
+        if st is None or st.finished:
+            return []
+        if not st.keys.unsaveable:
+            st.keys.update(tokens)
+        if st.keys.unsaveable:
+            if st.saved_chunks != -1:
+                self.stats.unsaveable_requests += 1
+                st.saved_chunks = -1
+            return []
+        todo = chunks_to_save(
+            self.geometry.chunk_tokens, st.keys.num_chunks, st.saved_chunks,
+            computed_after_step, num_prompt, self.config.save_generated_tokens,
+        )
+        jobs = []
+        for j in todo:
+            reason = self._save_chunk(st, j, computed_after_step, jobs)
+            if reason is not None:
+                self.stats.saves_dropped[reason] += 1
+                if reason in (DeclineSave.FULL.value, "save_queue_full", "blocks_missing"):
+                    break  # later chunks would be orphans of this one
+        st.saved_chunks = max(st.saved_chunks, todo.stop)
+        return jobs
+
+    def _save_chunk(
+        self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job]
+    ) -> str | None:
+        key = st.keys.keys[j]
+        parent = st.keys.keys[j - 1] if j > 0 else None
+        c = self.geometry.chunk_tokens
+        wanted: list[tuple[int, list[int]]] = []
+        for g, gg in enumerate(self.geometry.groups):
+            if self.index.get(g, key) is not None:
+                continue  # stored or being written: never twice
+            if gg.kind is GroupKind.STATE:
+                if computed_after_step != (j + 1) * c:
+                    continue  # state exists only where a step ended exactly
+                wanted.append((g, [self._state_block(st, g, (j + 1) * c)]))
+                continue
+            bpc = self.geometry.blocks_per_chunk(g)
+            ids = st.block_ids[g][j * bpc:(j + 1) * bpc]
+            if len(ids) < bpc or NULL_BLOCK in ids:
+                if gg.kind is GroupKind.SLIDING_WINDOW:
+                    continue  # out of the window already: not needed for any later hit
+                return "blocks_missing"
+            wanted.append((g, list(ids)))
+        if not wanted:
+            return None
+        if self._pending_save_chunks + 1 > self.config.max_pending_saves:
+            return "save_queue_full"
+        if not self.admission.admit(key):
+            return "admission"
+        entries: list[Entry] = []
+        ops: list[TransferOp] = []
+        for g, ids in wanted:
+            e = self.index.reserve(g, key, parent)
+            if not isinstance(e, Entry):
+                for done in entries:
+                    self.index.abort(done)
+                return e.value
+            entries.append(e)
+            ops.append(TransferOp(g, e.slot, ids))
+        job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
+        blocks = [(op.group, b) for op in ops for b in op.block_ids]
+        self.jobs[job.job_id] = _JobState(job, "save", entries, blocks, 1)
+        for gb in blocks:
+            self._block_jobs.setdefault(gb, set()).add(job.job_id)
+        st.save_jobs.add(job.job_id)
+        self._pending_save_chunks += 1
+        self._step_saves.append(job)
+        self.stats.saves_planned += 1
+        jobs.append(job)
+        return None
+
+    # -- the step ---------------------------------------------------------------------------
+    def build_step(self) -> StepPlan:
+        fence: set[int] = set()
+        if self._block_jobs:
+            for gb in self._step_allocated:
+                fence.update(self._block_jobs.get(gb, ()))
+        for req_id in self._step_preempted:
+            st = self.requests.get(req_id)
+            if st is not None:
+                fence.update(st.save_jobs)
+        # saves planned in this very step read blocks only after this step's forward
+        fence.difference_update(j.job_id for j in self._step_saves)
+        self.stats.fences += len(fence)
+        self._step += 1
+        plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
+                        self._reset_pending)
+        self._step_loads, self._step_saves = [], []
+        self._step_allocated = set()
+        self._step_preempted = set()
+        self._reset_pending = False
+        return plan
+
+    def on_report(self, report: WorkerReport) -> None:
+        for kind, table in (("save", report.saves), ("load", report.loads)):
+            for job_id, (ok, failed) in table.items():
+                js = self.jobs.get(job_id)
+                if js is None or js.kind != kind:
+                    raise RuntimeError(f"a worker reported unknown {kind} job {job_id}")
+                js.ok += ok
+                js.failed += failed
+                if js.ok + js.failed > self.world_size:
+                    raise RuntimeError(f"{kind} job {job_id} reported more than once per rank")
+                if js.ok + js.failed == self.world_size:
+                    self._finish(js)
+        if report.bytes_saved or report.bytes_loaded:
+            secs = report.save_seconds + report.load_seconds
+            self.estimates.observe_transfer(
+                (report.bytes_saved + report.bytes_loaded) // max(1, self.world_size),
+                secs / max(1, self.world_size))
+
+    def _finish(self, js: _JobState) -> None:
+        del self.jobs[js.job.job_id]
+        st = self.requests.get(js.job.req_id)
+        if js.kind == "save":
+            self._pending_save_chunks -= 1
+            for gb in js.blocks:
+                jobs = self._block_jobs.get(gb)
+                if jobs is not None:
+                    jobs.discard(js.job.job_id)
+                    if not jobs:
+                        del self._block_jobs[gb]
+            for e in js.entries:
+                if js.failed:
+                    self.index.abort(e)
+                else:
+                    self.index.commit(e)
+            if js.failed:
+                self.stats.saves_failed += 1
+            else:
+                self.stats.saves_committed += 1
+            if st is not None:
+                st.save_jobs.discard(js.job.job_id)
+        else:
+            self._pending_load_chunks -= js.chunks
+            self._pinned_chunks -= len(js.entries)
+            self.index.unpin(js.entries)
+            if js.failed:
+                self.stats.loads_failed += 1
+            else:
+                self.stats.loads_ok += 1
+            if st is not None:
+                st.load_job = None
+                if js.failed:
+                    st.load_failed = True
+        if st is not None and st.finished and not st.save_jobs and st.load_job is None:
+            del self.requests[st.req_id]
+
+    def request_finished(self, req_id: str) -> None:
+        """The request finished or was aborted; its in-flight jobs still complete normally."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return
+        st.finished = True
+        st.pending_hit = None
+        if not st.save_jobs and st.load_job is None:
+            del self.requests[req_id]
+
+    def reset(self) -> None:
+        """Drop every stored chunk; in-flight writes and loads end normally but store nothing."""
+        self.index.reset()
+        self._reset_pending = True
+        self.stats.resets += 1
+
+    def has_pending_work(self) -> bool:
+        return bool(self.jobs or self._step_loads or self._step_saves)
+
+    def observe_step(self, seconds: float, prefill_tokens: int) -> None:
+        self.estimates.observe_step(seconds)
+        if prefill_tokens >= self.geometry.chunk_tokens:
+            self.estimates.observe_prefill(prefill_tokens, seconds)
+
+    # -- accounting -------------------------------------------------------------------------
+    def occupancy(self) -> tuple[int, int]:
+        used = total = 0
+        for cls in set(self.slot_class):
+            n = self.allocator.num_slots(cls)
+            total += n
+            used += n - self.allocator.num_free(cls)
+        return used, total
+
+    def check_drained(self) -> None:
+        """Raise AssertionError unless no job, pin or request state is left (tests, soaks)."""
+        assert not self.jobs, f"jobs left: {sorted(self.jobs)}"
+        assert not self._block_jobs, "block->job registrations left"
+        assert self._pending_save_chunks == 0 and self._pending_load_chunks == 0
+        assert self._pinned_chunks == 0 and self.index.stats().pinned == 0
+        assert not self.requests, f"request state left: {sorted(self.requests)}"
+        self.index.check_invariants()
+

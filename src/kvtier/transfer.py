@@ -1,0 +1,193 @@
+"""Moving bytes between the paged KV cache and slab slots, off the forward's critical path.
+
+A :class:`TransferEngine` takes whole jobs (a chunk to save, a request to load) and reports
+each exactly once through :meth:`poll`, success or failure: an exception inside a copy is a
+failed job, never a lost one. ``fence`` makes sure no compute that follows can overwrite the
+blocks a save still reads.
+
+:class:`ThreadedTransferEngine` runs the reference codec on a worker thread: torch's copies
+release the GIL, so it overlaps the forward on CPU and serves as the correctness baseline
+everywhere. The GPU engine (streams, events, batched DMA) lives in ``kvtier.gpu``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvtier import codec
+from kvtier.layout import GroupKind, Layout
+from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.slab import HostSlab
+
+
+@dataclass
+class Completion:
+    job_id: int
+    kind: str  # "save" | "load"
+    ok: bool
+    nbytes: int
+    seconds: float
+    error: str = ""
+
+
+class TransferEngine(ABC):
+    @abstractmethod
+    def save(self, job: Job) -> None:
+        """Start copying the job's blocks into its slots (after this step's forward)."""
+
+    @abstractmethod
+    def load(self, job: Job) -> None:
+        """Start copying the job's slots into its blocks."""
+
+    @abstractmethod
+    def fence(self, job_ids: Sequence[int]) -> int:
+        """Order the next compute after the listed saves' reads. Returns how many were
+        still pending (unknown or finished ids are fine)."""
+
+    @abstractmethod
+    def poll(self) -> list[Completion]:
+        """Jobs finished since the last poll, each exactly once."""
+
+    @abstractmethod
+    def pending(self) -> int: ...
+
+    def tick(self) -> None:  # noqa: B027 - optional hook
+        """One engine step began."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class ChunkMover:
+    """The codec applied to one job's ops against one slab shard."""
+
+    def __init__(self, layout: Layout, slab: HostSlab, shard: int, slot_class: Sequence[int],
+                 blocks_per_chunk: Sequence[int]) -> None:
+        self.layout = layout
+        self.slab = slab
+        self.shard = shard
+        self.slot_class = slot_class
+        self.blocks_per_chunk = blocks_per_chunk
+
+    def _bpc(self, op: TransferOp) -> int:
+        if self.layout.groups[op.group].spec.kind is GroupKind.STATE:
+            return 1
+        return self.blocks_per_chunk[op.group]
+
+    def save_op(self, op: TransferOp) -> int:
+        group = self.layout.groups[op.group]
+        dst = self.slab.view(self.slot_class[op.group], op.slot, self.shard)
+        codec.gather(group, op.block_ids, self._bpc(op), dst)
+        return codec.chunk_bytes(group, self._bpc(op))
+
+    def load_op(self, op: TransferOp) -> int:
+        group = self.layout.groups[op.group]
+        src = self.slab.view(self.slot_class[op.group], op.slot, self.shard)
+        bpc = self._bpc(op)
+        if SKIP not in op.block_ids:
+            codec.scatter(group, op.block_ids, bpc, src)
+            return codec.chunk_bytes(group, bpc)
+        codec.scatter_positions(group, op.block_ids, bpc, src)
+        return group.bytes_per_block * sum(1 for b in op.block_ids if b != SKIP)
+
+
+FaultHook = Callable[[str, Job, TransferOp], None]
+
+
+class ThreadedTransferEngine(TransferEngine):
+    """Copies on one background thread, in submission order.
+
+    ``hold_steps`` (test only) keeps every job queued, unstarted, for that many calls of
+    :meth:`tick`; a fence on a held save runs it at once, so tests can prove fences run.
+    """
+
+    def __init__(self, mover: ChunkMover, hold_steps: int = 0,
+                 fault: FaultHook | None = None) -> None:
+        self.mover = mover
+        self.hold_steps = hold_steps
+        self.fault = fault
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-transfer")
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[str, Future]] = {}
+        self._held: list[tuple[int, str, Job]] = []  # (release tick, kind, job)
+        self._tick = 0
+        self._done: list[Completion] = []
+
+    def tick(self) -> None:
+        """One engine step passed: release held jobs that waited long enough."""
+        self._tick += 1
+        ready = [h for h in self._held if h[0] <= self._tick]
+        self._held = [h for h in self._held if h[0] > self._tick]
+        for _, kind, job in ready:
+            self._start(kind, job)
+
+    def save(self, job: Job) -> None:
+        self._submit("save", job)
+
+    def load(self, job: Job) -> None:
+        self._submit("load", job)
+
+    def _submit(self, kind: str, job: Job) -> None:
+        if self.hold_steps:
+            self._held.append((self._tick + self.hold_steps, kind, job))
+        else:
+            self._start(kind, job)
+
+    def _start(self, kind: str, job: Job) -> None:
+        self._running[job.job_id] = (kind, self._pool.submit(self._run, kind, job))
+
+    def _run(self, kind: str, job: Job) -> Completion:
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            for op in job.ops:
+                if self.fault is not None:
+                    self.fault(kind, job, op)
+                nbytes += self.mover.save_op(op) if kind == "save" else self.mover.load_op(op)
+        except Exception as e:  # a failed copy is a failed job, reported like any other
+            return Completion(job.job_id, kind, False, nbytes, time.perf_counter() - t0,
+                              f"{type(e).__name__}: {e}")
+        return Completion(job.job_id, kind, True, nbytes, time.perf_counter() - t0)
+
+    def fence(self, job_ids: Sequence[int]) -> int:
+        waited = 0
+        for job_id in job_ids:
+            held = [h for h in self._held if h[2].job_id == job_id]
+            for h in held:
+                self._held.remove(h)
+                self._start(h[1], h[2])
+            entry = self._running.get(job_id)
+            if entry is not None and entry[0] == "save":
+                if not entry[1].done():
+                    waited += 1
+                entry[1].result()  # CPU: the next forward runs on this host thread
+        return waited
+
+    def poll(self) -> list[Completion]:
+        out = []
+        for job_id, (_kind, fut) in list(self._running.items()):
+            if fut.done():
+                del self._running[job_id]
+                out.append(fut.result())
+        return out
+
+    def pending(self) -> int:
+        return len(self._running) + len(self._held)
+
+    def drain(self) -> None:
+        """Wait for everything submitted (shutdown and tests)."""
+        for _, kind, job in self._held:
+            self._start(kind, job)
+        self._held.clear()
+        for _, fut in list(self._running.values()):
+            fut.result()
+
+    def close(self) -> None:
+        self.drain()
+        self._pool.shutdown(wait=True)
+

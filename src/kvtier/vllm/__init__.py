@@ -1,0 +1,1 @@
+"""The vLLM adapter. ``kvtier.vllm.connector.KvtierConnector`` is the connector class."""

@@ -1,0 +1,18 @@
+"""vLLM general plugin: registers the connector under the short name ``kvtier``.
+
+Installed through the ``vllm.general_plugins`` entry point (pyproject.toml), so that
+``--kv-transfer-config '{"kv_connector": "kvtier", "kv_role": "kv_both"}'`` works without a
+module path.
+"""
+
+from __future__ import annotations
+
+SHORT_NAME = "kvtier"
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if SHORT_NAME in getattr(KVConnectorFactory, "_registry", {}):
+        return  # every vLLM process runs the plugins; register once per process
+    KVConnectorFactory.register_connector(SHORT_NAME, "kvtier.vllm.connector", "KvtierConnector")

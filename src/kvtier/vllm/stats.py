@@ -1,0 +1,44 @@
+"""kvtier's counters as vLLM connector stats.
+
+Counters are deltas since the last collection and add up across workers and steps; keys
+starting with ``gauge_`` are levels (slab occupancy) and keep the newest value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+GAUGE = "gauge_"
+
+
+@dataclass
+class KvtierStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvtierStats:
+        for k, v in (other.data or {}).items():
+            if k.startswith(GAUGE):
+                self.data[k] = v
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        for direction in ("saved", "loaded"):
+            b = self.data.get(f"bytes_{direction}", 0)
+            s = self.data.get(f"{'save' if direction == 'saved' else 'load'}_seconds", 0.0)
+            if b and s:
+                out[f"gbps_{direction}"] = round(b / s / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(v for k, v in self.data.items() if not k.startswith(GAUGE))
+
+
+def counter_deltas(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}

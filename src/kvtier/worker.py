@@ -1,0 +1,184 @@
+"""The worker half, engine-agnostic: owns the slab memory and a transfer engine, applies each
+step's plan and reports every job exactly once.
+
+Per step the adapter calls ``begin_step`` (fences first, then loads: before the forward),
+``end_step`` (saves: after the forward), then ``collect``. Every load job yields one terminal
+report per rank (loaded or failed), including after errors; a worker that does not write
+(replicated layouts: only the first rank stores the single copy) still reports its saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config import KvtierConfig
+from kvtier.layout import GroupKind, Layout
+from kvtier.ops import Job, StepPlan, TransferOp, WorkerReport
+from kvtier.planner import Geometry, GroupGeometry, make_slab_plan, slot_classes
+from kvtier.slab import HostSlab
+from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+
+
+@dataclass(frozen=True)
+class WorkerGeometry:
+    """What a worker tells the scheduler about its layout (identical on every rank)."""
+
+    fingerprint: str
+    bytes_per_block: tuple[int, ...]
+    kinds: tuple[str, ...]
+    block_sizes: tuple[int, ...]
+    windows: tuple[int | None, ...]
+
+
+def worker_geometry(layout: Layout) -> WorkerGeometry:
+    return WorkerGeometry(
+        fingerprint=layout.fingerprint,
+        bytes_per_block=tuple(g.bytes_per_block for g in layout.groups),
+        kinds=tuple(g.spec.kind.value for g in layout.groups),
+        block_sizes=tuple(g.spec.block_size for g in layout.groups),
+        windows=tuple(g.spec.sliding_window for g in layout.groups),
+    )
+
+
+def planner_geometry(wg: WorkerGeometry, chunk_tokens: int) -> Geometry:
+    return Geometry(chunk_tokens, tuple(
+        GroupGeometry(GroupKind(k), bs, b, w)
+        for k, bs, b, w in zip(wg.kinds, wg.block_sizes, wg.bytes_per_block, wg.windows)
+    ))
+
+
+@dataclass
+class StepResult:
+    finished_loads: set[str] = field(default_factory=set)  # request ids, success or failure
+    failed_loads: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)  # block ids of failed loads
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+
+class OffloadWorker:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        layout: Layout,
+        chunk_tokens: int,
+        rank: int = 0,
+        world_size: int = 1,
+        replicated: bool = False,
+        shm_name: str | None = None,
+        pin: bool = False,
+        engine_factory: Callable[[ChunkMover], TransferEngine] | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.rank = rank
+        self.world_size = world_size
+        self.replicated = replicated
+        self.geometry = planner_geometry(worker_geometry(layout), chunk_tokens)
+        num_shards = 1 if replicated else world_size
+        self.plan = make_slab_plan(config, self.geometry, num_shards)
+        self.slab = HostSlab(self.plan, shm_name=shm_name if world_size > 1 else None,
+                             pin=pin, pin_step=config.pin_step_size)
+        shard = 0 if replicated else rank
+        self.writes = not replicated or rank == 0
+        self.mover = ChunkMover(
+            layout, self.slab, shard, slot_classes(self.geometry),
+            [self.geometry.blocks_per_chunk(g) if self.geometry.groups[g].kind
+             is not GroupKind.STATE else 1 for g in range(len(self.geometry.groups))],
+        )
+        self.engine: TransferEngine = (
+            engine_factory(self.mover) if engine_factory is not None
+            else ThreadedTransferEngine(self.mover, hold_steps=config.fault_hold_steps,
+                                        fault=self._fault))
+        self._load_reqs: dict[int, tuple[str, list[int]]] = {}
+        self._reported_nowrite: list[Job] = []
+        self._fail_loads_left = config.fault_fail_loads
+        self._raise_left = config.fault_raise_in_transfer
+        self._fences_waited = 0
+        self.plan_step = 0
+
+    # -- fault injection (test only; every switch defaults off) -----------------------------
+    def _fault(self, kind: str, job: Job, op: TransferOp) -> None:
+        if self._raise_left > 0:
+            self._raise_left -= 1
+            raise RuntimeError("kvtier test fault: exception inside a transfer")
+
+    def _load_ops(self, job: Job) -> Job:
+        skip = self.config.fault_skip_load_chunk
+        if skip < 0:
+            return job
+        kv_ops = [op for op in job.ops if self.layout.groups[op.group].spec.kind
+                  is not GroupKind.STATE]
+        if skip >= len(kv_ops):
+            return job
+        dropped = kv_ops[skip]
+        return Job(job.job_id, job.req_id, [op for op in job.ops if op is not dropped], job.chunk)
+
+    # -- the step ---------------------------------------------------------------------------
+    def fence(self, plan: StepPlan) -> None:
+        """Before anything of this step writes KV: order it after the listed saves' reads."""
+        if plan.fence:
+            self._fences_waited += self.engine.fence(plan.fence)
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """Before the forward (after :meth:`fence`): start this step's loads."""
+        self.plan_step = plan.step
+        self.engine.tick()
+        for job in plan.loads:
+            self._load_reqs[job.job_id] = (
+                job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
+            self.engine.load(self._load_ops(job))
+
+    def end_step(self, plan: StepPlan) -> None:
+        """After the forward: start this step's saves (never waited for here)."""
+        for job in plan.saves:
+            if self.writes:
+                self.engine.save(job)
+            else:
+                self._reported_nowrite.append(job)
+
+    def collect(self) -> StepResult:
+        out = StepResult()
+        rep = out.report
+        for job in self._reported_nowrite:
+            rep.saves[job.job_id] = [1, 0]
+        self._reported_nowrite = []
+        for c in self.engine.poll():
+            self._account(c, out)
+        rep.fences_waited, self._fences_waited = self._fences_waited, 0
+        return out
+
+    def _account(self, c: Completion, out: StepResult) -> None:
+        rep = out.report
+        if c.kind == "save":
+            rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
+            rep.bytes_saved += c.nbytes
+            rep.save_seconds += c.seconds
+            return
+        req_id, blocks = self._load_reqs.pop(c.job_id)
+        ok = c.ok
+        if ok and self._fail_loads_left > 0:
+            self._fail_loads_left -= 1
+            ok = False
+        rep.loads[c.job_id] = [1, 0] if ok else [0, 1]
+        rep.bytes_loaded += c.nbytes
+        rep.load_seconds += c.seconds
+        out.finished_loads.add(req_id)
+        if not ok:
+            out.failed_loads.add(req_id)
+            out.failed_blocks.update(blocks)
+
+    def pending(self) -> int:
+        return self.engine.pending() + len(self._reported_nowrite)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.slab.close()
+
+
+def chunk_tokens_for(config: KvtierConfig, block_sizes: Sequence[int]) -> int:
+    from kvtier.planner import default_chunk_tokens
+
+    if config.chunk_tokens is not None:
+        return config.chunk_tokens
+    return default_chunk_tokens(block_sizes)
