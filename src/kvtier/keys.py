@@ -1,9 +1,12 @@
 """Chunk keys: a prefix-chained blake2b hash under a namespace.
 
-``key(i) = H(key(i-1) || tokens of chunk i || extra keys of chunk i)`` with ``key(-1)`` the
-namespace digest, which covers the model identity and weight revision, the layout
-fingerprint, the KV dtype string and fixed scales, the chunk size and the codec version.
-The per-request ``cache_salt`` enters chunk 0's extra keys, so tenants never share chunks.
+``key(i) = H(key(i-1) || n || tokens of chunk i || len || extra keys of chunk i)`` with
+``key(-1)`` the namespace digest, which covers the model identity and weight revision, the
+layout fingerprint, the KV dtype string and fixed scales, the chunk size and the codec
+version; ``n`` (the token count) and ``len`` (the extra keys' byte length) make the input
+unambiguous. The per-request ``cache_salt`` enters chunk 0's extra keys as
+``[salt, extra]`` (every chunk with extra keys or a salt is encoded as such a pair, so a salt
+can never be mimicked by extra keys), and tenants never share chunks.
 The TP/PP rank is not part of a key: it is a sub-address of where a rank's shard lives.
 
 Keys are stable across processes and restarts: no ``hash()``, no per-process seed.
@@ -85,25 +88,31 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
-def encode_extra(extra: object) -> bytes | None:
-    """Deterministic bytes for extra keys, or None if they hold something we cannot encode."""
-    if extra is None or extra == ():
-        return b""
+def _plain_ok(x: object) -> bool:
+    if isinstance(x, _PLAIN):
+        return True
+    if isinstance(x, (tuple, list)):
+        return all(_plain_ok(v) for v in x)
+    return False
 
-    def ok(x: object) -> bool:
-        if isinstance(x, _PLAIN):
-            return True
-        if isinstance(x, (tuple, list)):
-            return all(ok(v) for v in x)
-        return False
 
-    if extra is UNSUPPORTED or not ok(extra):
+def encode_extra(extra: object, salt: str | None = None) -> bytes | None:
+    """Deterministic bytes for one chunk's extra keys (and the request's salt, for chunk 0),
+    or None if they hold something we cannot encode."""
+    if extra is UNSUPPORTED:
         return None
-    return msgpack.packb(extra, use_bin_type=True)
+    empty = extra is None or (isinstance(extra, (tuple, list)) and len(extra) == 0)
+    if empty and not salt:
+        return b""
+    if not _plain_ok(extra):
+        return None
+    return msgpack.packb([salt or None, None if empty else extra], use_bin_type=True)
 
 
 def chunk_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
-    return _hash(parent, _tokens_bytes(tokens), len(extra).to_bytes(4, "little"), extra)
+    """One link of the chain. ``tokens`` are ints in [0, 2**32)."""
+    return _hash(parent, len(tokens).to_bytes(4, "little"), _tokens_bytes(tokens),
+                 len(extra).to_bytes(4, "little"), extra)
 
 
 class RequestKeys:
@@ -140,14 +149,15 @@ class RequestKeys:
         Returns the number of full chunks keyed. ``tokens`` must extend what was seen before.
         """
         c = self.chunk_tokens
-        target = len(tokens) // c
+        n = len(tokens)
+        if n < (len(self.keys) + 1) * c or self.unsaveable:
+            return len(self.keys)  # the common decode step: no chunk became full
+        target = n // c
         while not self.unsaveable and len(self.keys) < target:
             i = len(self.keys)
             start, end = i * c, (i + 1) * c
             extra_obj: object = self.extra_keys(start, end) if self.extra_keys else None
-            if i == 0 and self.cache_salt:
-                extra_obj = ("salt", self.cache_salt, extra_obj)
-            extra = encode_extra(extra_obj)
+            extra = encode_extra(extra_obj, self.cache_salt if i == 0 else None)
             if extra is None:
                 self.unsaveable = True
                 break
