@@ -166,6 +166,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if self._deferrals > MAX_GEOMETRY_DEFERRALS:
                 return 0, False  # never hang a request on a missing handshake
             return None, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # prompt logprobs need every token computed (0.25.1 asks anyway)
         self._ensure_request(request)
         tokens = request.all_token_ids
         n = self._sched.lookup(request.request_id, tokens[: request.num_tokens],
