@@ -80,6 +80,16 @@ def _fill_random(storages: Sequence[torch.Tensor], gen: torch.Generator) -> None
         st.copy_(torch.randint(0, 256, (st.numel(),), dtype=torch.uint8, generator=gen))
 
 
+def poison(storages: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Fill with random bytes; return copies to compare against."""
+    _fill_random(storages, torch.Generator().manual_seed(seed))
+    return [st.clone() for st in storages]
+
+
+def group_storages(group: GroupLayout) -> list[torch.Tensor]:
+    return _storages(group, [])
+
+
 def random_block_ids(num_blocks: int, count: int, rng: random.Random) -> list[int]:
     """``count`` distinct ids, scattered over the whole cache and out of order."""
     ids = rng.sample(range(num_blocks), count)
@@ -94,14 +104,21 @@ def check_group(
     seed: int = 0,
     count: int | None = None,
     blocks_per_chunk: int = 2,
+    ids: Sequence[int] | None = None,
+    buffer_device: torch.device | str = "cpu",
 ) -> list[int]:
-    """Run the three checks of the module docstring on ``group``; return the ids used."""
+    """Run the three checks of the module docstring on ``group``; return the ids used.
+
+    ``ids`` (default: ``count`` random scattered ids) are the blocks; byte buffers live on
+    ``buffer_device`` (the cache may be on another device)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     nb = group.num_blocks
-    if count is None:
-        count = min(nb, max(2, nb // 3)) // blocks_per_chunk * blocks_per_chunk
-    ids = random_block_ids(nb, count, rng)
+    if ids is None:
+        if count is None:
+            count = min(nb, max(2, nb // 3)) // blocks_per_chunk * blocks_per_chunk
+        ids = random_block_ids(nb, count, rng)
+    ids = list(ids)
     storages = _storages(group, addressers)
 
     # 1. vLLM's bytes of each block, in the group's format order.
@@ -111,9 +128,10 @@ def check_group(
         f"the addressed block holds {next(iter(expected.values())).numel()} bytes, "
         f"the layout moves {group.bytes_per_block}"
     )
-    out = torch.empty(len(ids) * group.bytes_per_block, dtype=torch.uint8)
+    out = torch.empty(len(ids) * group.bytes_per_block, dtype=torch.uint8, device=buffer_device)
     gather(group, ids, 1, out)
-    want = torch.cat([expected[b] for b in ids])
+    out = out.cpu()
+    want = torch.cat([expected[b] for b in ids]) if ids else out
     if not torch.equal(out, want):
         bad = int((out != want).nonzero()[0]) if out.numel() == want.numel() else -1
         raise AssertionError(
@@ -124,7 +142,7 @@ def check_group(
     # 2. chunk-major round trip with several blocks per chunk.
     cb = chunk_bytes(group, blocks_per_chunk)
     usable = len(ids) // blocks_per_chunk * blocks_per_chunk
-    multi = torch.empty(usable // blocks_per_chunk * cb, dtype=torch.uint8)
+    multi = torch.empty(usable // blocks_per_chunk * cb, dtype=torch.uint8, device=buffer_device)
     gather(group, ids[:usable], blocks_per_chunk, multi)
 
     # 3. poison everything, scatter, read back through vLLM's indexing.

@@ -74,7 +74,7 @@ def test_unknown_dict_key_names_the_closest_field() -> None:
 
 
 def test_unknown_prefixed_dict_key() -> None:
-    with pytest.raises(ConfigError, match="did you mean 'kvtier.policy'"):
+    with pytest.raises(ConfigError, match=r"did you mean 'kvtier\.policy'"):
         load({"kvtier.polcy": "lru"})
 
 

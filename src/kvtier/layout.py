@@ -229,7 +229,7 @@ def segment_tensor(
         raise fail("a dimension has stride 0 or less (broadcast or flipped bytes)")
     if a_size > 1 and any(d[2] == a_stride for d in others):
         raise fail("another dimension shares the block axis stride")
-    outer = sorted((d for d in others if d[2] > a_stride), key=lambda d: d[0])
+    outer = sorted((d for d in others if d[2] > a_stride), key=lambda d: -d[2])  # memory order
     inner = [d for d in others if d[2] < a_stride]
     block_stride = a_stride * ratio
     if ratio > 1:
