@@ -160,7 +160,8 @@ class KvtierConfig(BaseModel):
         default=1 << 16, ge=1, description="Chunks pinned by decided loads at once."
     )
     gpu_staging_size: PositiveByteSize = Field(
-        default=256 * 2**20, description="Device staging memory for transfers (at most)."
+        default=256 * 2**20,
+        description="Device staging memory for transfers (at most; never more than dram_size).",
     )
     pin_step_size: PositiveByteSize = Field(
         default=2**30, description="Host memory is pinned with CUDA in steps of this size."
@@ -209,7 +210,7 @@ class KvtierConfig(BaseModel):
                 f"state_size ({format_bytes(self.state_size)}) must be smaller than dram_size "
                 f"({format_bytes(self.dram_size)}): raise dram_size or lower state_size"
             )
-        if self.gpu_staging_size > self.dram_size:
+        if "gpu_staging_size" in self.model_fields_set and self.gpu_staging_size > self.dram_size:
             raise ValueError(
                 f"gpu_staging_size ({format_bytes(self.gpu_staging_size)}) is larger than "
                 f"dram_size ({format_bytes(self.dram_size)}): write gpu_staging_size of at "
