@@ -130,3 +130,29 @@ def test_segment_tensor_is_usable_alone() -> None:
     segs = segment_tensor("model.layers.3.attn", t, NB, "kv")
     assert [(s.role, s.run, s.block_stride) for s in segs] == [("k", 20, 20), ("v", 20, 20)]
     assert segs[1].offset == NB * 20
+
+
+def test_fingerprint_covers_dtype_shapes_order_and_codec_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fp(kvs: dict[str, torch.Tensor], nb: int = NB, **kw: object) -> str:
+        return build_layout(kvs, [GroupSpec(GroupKind.FULL, 16, tuple(sorted(kvs)))], nb,
+                            **kw).fingerprint  # type: ignore[arg-type]
+
+    a, b = "model.layers.0.attn", "model.layers.1.attn"
+    base = fp({a: torch.empty(NB, 4, 8, dtype=torch.bfloat16),
+               b: torch.empty(NB, 2, 8, dtype=torch.bfloat16)})
+    assert fp({a: torch.empty(13, 4, 8, dtype=torch.bfloat16),
+               b: torch.empty(13, 2, 8, dtype=torch.bfloat16)}, nb=13) == base  # not the count
+    assert fp({a: torch.empty(NB, 4, 8, dtype=torch.float16),
+               b: torch.empty(NB, 2, 8, dtype=torch.bfloat16)}) != base  # dtype
+    assert fp({a: torch.empty(NB, 8, 4, dtype=torch.bfloat16),
+               b: torch.empty(NB, 2, 8, dtype=torch.bfloat16)}) != base  # shape
+    assert fp({a: torch.empty(8, NB, 4, dtype=torch.bfloat16).transpose(0, 1),
+               b: torch.empty(NB, 2, 8, dtype=torch.bfloat16)}) != base  # strides
+    assert fp({a: torch.empty(NB, 2, 8, dtype=torch.bfloat16),
+               b: torch.empty(NB, 4, 8, dtype=torch.bfloat16)}) != base  # segment order
+    assert fp({a: torch.empty(NB, 4, 8, dtype=torch.bfloat16),
+               b: torch.empty(NB, 2, 8, dtype=torch.bfloat16)}, kv_cache_dtype="fp8") != base
+    monkeypatch.setattr("kvtier.layout.CODEC_VERSION", 99)
+    assert fp({a: torch.empty(NB, 4, 8, dtype=torch.bfloat16),
+               b: torch.empty(NB, 2, 8, dtype=torch.bfloat16)}) != base  # codec version
