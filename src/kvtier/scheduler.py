@@ -25,9 +25,8 @@ Contracts (DESIGN.md §2):
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
@@ -74,9 +73,10 @@ class _JobState:
     entries: list[Entry]
     blocks: list[tuple[int, int]]  # (group, block id) read by a save
     chunks: int
+    tokens: int = 0  # loads: tokens restored when it succeeds
     ok: int = 0
     failed: int = 0
-    started: float = field(default_factory=time.monotonic)
+    step: int = 0  # the step whose plan carried it
 
 
 @dataclass
@@ -96,6 +96,9 @@ class SchedulerStats:
     saves_failed: int = 0
     saves_dropped: Counter = field(default_factory=Counter)
     fences: int = 0
+    fences_after_finish: int = 0  # fenced saves whose request had already finished
+    preempted_with_saves: int = 0  # preemptions while the request had saves in flight
+    max_job_steps: int = 0  # longest a job stayed in flight, in engine steps
     unsaveable_requests: int = 0
     resets: int = 0
 
@@ -109,14 +112,12 @@ class OffloadScheduler:
         plan: SlabPlan,
         world_size: int = 1,
         loads_enabled: bool = True,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.geometry = geometry
         self.namespace = namespace
         self.world_size = world_size
         self.loads_enabled = loads_enabled
-        self.clock = clock
         self.slot_class = slot_classes(geometry)
         state_groups = geometry.state_groups
         specs = []
@@ -228,7 +229,7 @@ class OffloadScheduler:
                 ops.append(TransferOp(g, e.slot, self._load_blocks(st, g, j, hbm)))
         job = Job(next(self._job_ids), req_id, ops)
         n_chunks = hit.boundary - first_chunk
-        self.jobs[job.job_id] = _JobState(job, "load", entries, [], n_chunks)
+        self.jobs[job.job_id] = _JobState(job, "load", entries, [], n_chunks, hit.tokens)
         self._pending_load_chunks += n_chunks
         self._pinned_chunks += len(entries)
         st.load_job = job.job_id
@@ -283,6 +284,8 @@ class OffloadScheduler:
         if st is None:
             return
         self._step_preempted.add(req_id)
+        if st.save_jobs:
+            self.stats.preempted_with_saves += 1
         st.block_ids = [[] for _ in self.geometry.groups]
         # a preempted request recomputes from a new lookup; chunks it already saved stay
         st.pending_hit = None
@@ -379,7 +382,13 @@ class OffloadScheduler:
         # saves planned in this very step read blocks only after this step's forward
         fence.difference_update(j.job_id for j in self._step_saves)
         self.stats.fences += len(fence)
+        for job_id in fence:
+            owner = self.requests.get(self.jobs[job_id].job.req_id)
+            if owner is None or owner.finished:
+                self.stats.fences_after_finish += 1
         self._step += 1
+        for job in self._step_loads + self._step_saves:
+            self.jobs[job.job_id].step = self._step
         plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
                         self._reset_pending)
         self._step_loads, self._step_saves = [], []
@@ -408,6 +417,7 @@ class OffloadScheduler:
 
     def _finish(self, js: _JobState) -> None:
         del self.jobs[js.job.job_id]
+        self.stats.max_job_steps = max(self.stats.max_job_steps, self._step - js.step)
         st = self.requests.get(js.job.req_id)
         if js.kind == "save":
             self._pending_save_chunks -= 1
@@ -436,6 +446,7 @@ class OffloadScheduler:
                 self.stats.loads_failed += 1
             else:
                 self.stats.loads_ok += 1
+                self.stats.loaded_tokens += js.tokens
             if st is not None:
                 st.load_job = None
                 if js.failed:

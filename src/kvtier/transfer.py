@@ -1,8 +1,10 @@
 """Moving bytes between the paged KV cache and slab slots, off the forward's critical path.
 
 A :class:`TransferEngine` takes whole jobs (a chunk to save, a request to load) and reports
-each exactly once through :meth:`poll`, success or failure: an exception inside a copy is a
-failed job, never a lost one. ``fence`` makes sure no compute that follows can overwrite the
+each through :meth:`poll`, success or failure: an exception inside a copy is a failed job,
+never a lost one. Reports may come late, out of order or more than once; an engine whose
+notices can get lost must answer :meth:`~TransferEngine.query` from ground truth (what
+``event.query()`` is to CUDA). The worker turns that into exactly one report per job and rank. ``fence`` makes sure no compute that follows can overwrite the
 blocks a save still reads.
 
 :class:`ThreadedTransferEngine` runs the reference codec on a worker thread: torch's copies
@@ -51,13 +53,24 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def poll(self) -> list[Completion]:
-        """Jobs finished since the last poll, each exactly once."""
+        """Jobs finished since the last poll (a job may be reported again; never before it
+        finished)."""
+
+    def query(self, job_ids: Sequence[int]) -> list[Completion]:
+        """Completions of the listed jobs that have finished, from ground truth. Engines
+        whose :meth:`poll` never loses a report may keep this default."""
+        return []
 
     @abstractmethod
     def pending(self) -> int: ...
 
     def tick(self) -> None:  # noqa: B027 - optional hook
         """One engine step began."""
+
+    @abstractmethod
+    def drain(self) -> None:
+        """Block until every submitted copy finished (shutdown, tests); completions are
+        still reported by the next :meth:`poll`."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

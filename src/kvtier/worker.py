@@ -5,6 +5,11 @@ Per step the adapter calls ``begin_step`` (fences first, then loads: before the 
 ``end_step`` (saves: after the forward), then ``collect``. Every load job yields one terminal
 report per rank (loaded or failed), including after errors; a worker that does not write
 (replicated layouts: only the first rank stores the single copy) still reports its saves.
+
+Exactly once per rank, whatever the engine's notices do: the worker keeps the jobs it
+submitted in flight until their first completion, drops any later (duplicate) completion of a
+job, and asks :meth:`~kvtier.transfer.TransferEngine.query` for jobs in flight for
+:data:`REQUERY_STEPS` collects or more, so a lost notice costs a few steps, never a hang.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from kvtier.ops import Job, StepPlan, TransferOp, WorkerReport
 from kvtier.planner import Geometry, GroupGeometry, make_slab_plan, slot_classes
 from kvtier.slab import HostSlab
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+
+REQUERY_STEPS = 2
+"""Collects after which a job still in flight is looked up with ``engine.query``."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,11 @@ class OffloadWorker:
         self._fail_loads_left = config.fault_fail_loads
         self._raise_left = config.fault_raise_in_transfer
         self._fences_waited = 0
+        self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
+        self._collects = 0
+        self.duplicate_completions = 0  # completions of jobs already reported (dropped)
+        self.requeried = 0  # completions found by query() after their notice went missing
+        self.total_fences_waited = 0  # fences that found their save still pending, ever
         self.plan_step = 0
 
     # -- fault injection (test only; every switch defaults off) -----------------------------
@@ -118,7 +131,9 @@ class OffloadWorker:
     def fence(self, plan: StepPlan) -> None:
         """Before anything of this step writes KV: order it after the listed saves' reads."""
         if plan.fence:
-            self._fences_waited += self.engine.fence(plan.fence)
+            waited = self.engine.fence(plan.fence)
+            self._fences_waited += waited
+            self.total_fences_waited += waited
 
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward (after :meth:`fence`): start this step's loads."""
@@ -127,12 +142,14 @@ class OffloadWorker:
         for job in plan.loads:
             self._load_reqs[job.job_id] = (
                 job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
+            self._inflight[job.job_id] = self._collects
             self.engine.load(self._load_ops(job))
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""
         for job in plan.saves:
             if self.writes:
+                self._inflight[job.job_id] = self._collects
                 self.engine.save(job)
             else:
                 self._reported_nowrite.append(job)
@@ -143,10 +160,24 @@ class OffloadWorker:
         for job in self._reported_nowrite:
             rep.saves[job.job_id] = [1, 0]
         self._reported_nowrite = []
+        self._collects += 1
         for c in self.engine.poll():
-            self._account(c, out)
+            self._take(c, out)
+        stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]
+        if stale:
+            for c in self.engine.query(stale):
+                if c.job_id in self._inflight:
+                    self.requeried += 1
+                self._take(c, out)
         rep.fences_waited, self._fences_waited = self._fences_waited, 0
         return out
+
+    def _take(self, c: Completion, out: StepResult) -> None:
+        """Account a completion once: later ones for the same job are duplicates."""
+        if self._inflight.pop(c.job_id, None) is None:
+            self.duplicate_completions += 1
+            return
+        self._account(c, out)
 
     def _account(self, c: Completion, out: StepResult) -> None:
         rep = out.report
@@ -170,6 +201,10 @@ class OffloadWorker:
 
     def pending(self) -> int:
         return self.engine.pending() + len(self._reported_nowrite)
+
+    def drain(self) -> None:
+        """Wait until every submitted transfer finished (reported at the next collect)."""
+        self.engine.drain()
 
     def close(self) -> None:
         self.engine.close()

@@ -55,6 +55,13 @@ except ImportError:  # vLLM 0.25.1: failures per block, one KV-cache group only
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
     HAS_FAILED_RECVING = False
 
+try:  # vLLM 0.32: every layer is a [B, H, N, C] view made by create_kv_cache_views
+    from vllm.v1.kv_cache_interface import create_kv_cache_views  # noqa: F401
+
+    VIEWS_ARE_BLOCK_MAJOR = True
+except ImportError:
+    VIEWS_ARE_BLOCK_MAJOR = False
+
 try:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 except ImportError:  # pragma: no cover
@@ -335,9 +342,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         layers = dict(getattr(self._vllm_config.compilation_config,
                               "static_forward_context", {}) or {})
+        # vLLM 0.32 registers [B, H, N, C] views: the block axis is dim 0 by construction
+        # (inference could be ambiguous with few blocks). 0.25.1 registers each backend's
+        # own shape, where kvtier infers it.
+        block_axes = {name: 0 for name in kv_caches} if VIEWS_ARE_BLOCK_MAJOR else None
         layout = build_layout(
             kv_caches, self.groups.specs, int(self._kv_cache_config.num_blocks),
-            kv_cache_dtype=self.kv_cache_dtype, layers=layers,
+            kv_cache_dtype=self.kv_cache_dtype, layers=layers, block_axes=block_axes,
         )
         self._geometry = worker_geometry(layout)
         chunk = chunk_tokens_for(self.config, self._geometry.block_sizes)

@@ -1,0 +1,1 @@
+"""Test support shipped with the package (probe connector, restore check). Not for production."""

@@ -1,0 +1,80 @@
+"""Test support: a kvtier connector that also records what vLLM itself says, so checks can be
+made independently of kvtier's own bookkeeping. Never used in production.
+
+- Scheduler side: the block ids vLLM passes to ``request_finished_all_groups`` (vLLM's own
+  block table for the request at its end), per request.
+- Worker side: the tensors vLLM registered, untouched, so a check can read a block through
+  vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from kvtier.vllm.connector import KvtierConnector
+
+
+class ProbeConnector(KvtierConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.finished_blocks: list[tuple[tuple[int, ...], tuple[list[int], ...]]] = []
+        self.vllm_kv_caches: dict[str, Any] = {}
+        self.num_blocks = int(self._kv_cache_config.num_blocks)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any, **kwargs: Any
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        prompt = tuple(request.prompt_token_ids or ())
+        self.finished_blocks.append((prompt, tuple(list(b) for b in block_ids)))
+        return super().request_finished_all_groups(request, block_ids, **kwargs)
+
+    def blocks_of(self, prompt: list[int]) -> tuple[list[int], ...]:
+        """vLLM's block table of the latest finished request with this prompt."""
+        key = tuple(prompt)
+        for p, blocks in reversed(self.finished_blocks):
+            if p == key:
+                return blocks
+        raise KeyError("no finished request with this prompt")
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.vllm_kv_caches = dict(kv_caches)
+        super().register_kv_caches(kv_caches)
+
+    # -- worker-side checks, through vLLM's tensors only -----------------------------------
+    def _tensors(self, value: Any) -> list[torch.Tensor]:
+        return [value] if isinstance(value, torch.Tensor) else list(value)
+
+    def block_checksums(self, layer_names: list[str], block_ids: list[int]) -> list[str]:
+        """One digest per block over every listed layer, read as ``kv[b]`` (kernel blocks
+        folded: ``kv[b*r:(b+1)*r]`` when dim 0 counts kernel blocks)."""
+        out = []
+        for b in block_ids:
+            h = hashlib.blake2b(digest_size=16)
+            for name in layer_names:
+                for t in self._tensors(self.vllm_kv_caches[name]):
+                    r = t.shape[0] // self.num_blocks
+                    piece = t[b * r:(b + 1) * r] if r > 1 else t[b]
+                    h.update(piece.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            out.append(h.hexdigest())
+        return out
+
+    def fill_all(self, byte: int = 0x47) -> int:
+        """Overwrite every byte of every registered cache (and state) storage. Waits for
+        kvtier's transfers first: a save still reading must not see the pattern. The default
+        byte makes large values in any float format (0x4747... is 5.1e4 in float32 and
+        bfloat16), so an unrestored block is loud in the output."""
+        if self._worker is not None:
+            self._worker.drain()
+        seen: set[int] = set()
+        n = 0
+        for value in self.vllm_kv_caches.values():
+            for t in self._tensors(value):
+                st = t.untyped_storage()
+                if st.data_ptr() in seen:
+                    continue
+                seen.add(st.data_ptr())
+                torch.empty(0, dtype=torch.uint8, device=t.device).set_(st).fill_(byte)
+                n += st.nbytes()
+        return n

@@ -1,0 +1,181 @@
+"""The restore check, for an in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+whose connector is :class:`kvtier.testing.probe.ProbeConnector`.
+
+Run A computes the prompts; the probe reads per-block checksums through vLLM's block table
+of each request. Run C repeats them with vLLM's own prefix cache (the reference at the same
+boundary). Then the prefix cache is reset and every KV byte overwritten with a fill pattern;
+run B repeats the prompts, so whatever it did not recompute came from kvtier. The check
+passes only if kvtier restored exactly the whole-chunk prefixes, run B's blocks hold run A's
+bytes, and run B's greedy tokens and top-k logprobs equal run C's bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.layout import GroupKind
+
+
+@dataclass
+class EngineHandles:
+    llm: Any
+    core: Any
+    scheduler_connector: Any
+    worker_connector: Any
+
+    @property
+    def kvtier(self) -> Any:
+        """The scheduler half's engine-agnostic core (OffloadScheduler)."""
+        return self.scheduler_connector._sched
+
+
+def handles(llm: Any) -> EngineHandles:
+    core = llm.llm_engine.engine_core.engine_core  # requires the in-process engine core
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    h = EngineHandles(llm, core, core.scheduler.connector, get_kv_transfer_group())
+    if h.kvtier is None:  # the layout handshake happens in the first engine step
+        from vllm import SamplingParams
+
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        settle(h)
+    return h
+
+
+def settle(h: EngineHandles, timeout_s: float = 120.0) -> int:
+    """Step the engine until kvtier has nothing in flight; returns the steps taken.
+
+    Bounded by wall time, not steps: on CPU the transfer thread needs the GIL, and an idle
+    engine spins through empty steps far faster than a copy finishes.
+    """
+    deadline = time.monotonic() + timeout_s
+    n = 0
+    while time.monotonic() < deadline:
+        if not h.scheduler_connector.has_pending_push_work() and not h.core.scheduler.has_requests():
+            return n
+        h.core.step()
+        n += 1
+        time.sleep(0.001)  # let the transfer thread run
+    sched = h.kvtier
+    jobs = {j: (js.kind, js.step, js.ok, js.failed) for j, js in sched.jobs.items()} if sched else {}
+    w = h.worker_connector._worker
+    raise TimeoutError(
+        f"kvtier still had work in flight after {timeout_s}s ({n} steps): scheduler jobs "
+        f"{jobs}, worker pending {w.pending() if w else None}")
+
+
+def generate(h: EngineHandles, prompts: list[list[int]], params: Any) -> list[Any]:
+    outs = h.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    settle(h)
+    return outs
+
+
+@dataclass
+class PromptResult:
+    prompt_len: int
+    expected_restored: int
+    checksums_equal: bool
+    tokens_equal: bool
+    logprobs_equal: bool
+    tokens_b: list[int] = field(default_factory=list)
+    tokens_c: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RestoreResult:
+    restored_tokens: int
+    expected_restored: int
+    prompts: list[PromptResult]
+    loads_ok: int
+    loads_failed: int
+
+    @property
+    def passed(self) -> bool:
+        return self.restored_tokens == self.expected_restored and all(
+            p.checksums_equal and p.tokens_equal and p.logprobs_equal for p in self.prompts)
+
+
+def _restored_blocks(h: EngineHandles, group: int, prompt_len: int) -> range:
+    sched = h.kvtier
+    geo = sched.geometry
+    c = geo.chunk_tokens
+    boundary = (prompt_len - 1) // c
+    g = geo.groups[group]
+    if g.kind is GroupKind.SLIDING_WINDOW:
+        first = geo.window_chunks(group, boundary).start * c
+    else:
+        first = 0
+    return range(first // g.block_size, boundary * c // g.block_size)
+
+
+def _checksums(h: EngineHandles, prompt: list[int]) -> list[list[str]]:
+    """Per kvtier group: checksums of the blocks kvtier restores for this prompt, read
+    through vLLM's block table of the latest finished request with this prompt."""
+    blocks = h.scheduler_connector.blocks_of(prompt)
+    groups = h.scheduler_connector.groups
+    out = []
+    for kg, eg in enumerate(groups.engine_ids):
+        if groups.specs[kg].kind is GroupKind.STATE:
+            continue
+        ids = [blocks[eg][i] for i in _restored_blocks(h, kg, len(prompt))]
+        out.append(h.worker_connector.block_checksums(list(groups.specs[kg].layer_names), ids))
+    return out
+
+
+def _logprobs(out: Any) -> list[list[tuple[int, float, int | None]]]:
+    steps = out.outputs[0].logprobs or []
+    return [sorted((tok, lp.logprob, lp.rank) for tok, lp in step.items()) for step in steps]
+
+
+def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> RestoreResult:
+    h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
+    outs_a = generate(h, prompts, params)
+    sums_a = [_checksums(h, p) for p in prompts]
+    outs_c = generate(h, prompts, params)  # vLLM's own prefix cache at the same boundary
+    h.llm.reset_prefix_cache()
+    h.worker_connector.fill_all()
+    stats = h.kvtier.stats
+    before = (stats.loaded_tokens, stats.loads_ok, stats.loads_failed)
+    outs_b = generate(h, prompts, params)
+    sums_b = [_checksums(h, p) for p in prompts]
+    c = h.kvtier.geometry.chunk_tokens
+    results = []
+    for p, a, b, oc, ob in zip(prompts, sums_a, sums_b, outs_c, outs_b):
+        results.append(PromptResult(
+            prompt_len=len(p), expected_restored=(len(p) - 1) // c * c,
+            checksums_equal=a == b,
+            tokens_equal=list(ob.outputs[0].token_ids) == list(oc.outputs[0].token_ids),
+            logprobs_equal=_logprobs(ob) == _logprobs(oc),
+            tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
+        ))
+    del outs_a
+    return RestoreResult(
+        restored_tokens=stats.loaded_tokens - before[0],
+        expected_restored=sum(r.expected_restored for r in results),
+        prompts=results,
+        loads_ok=stats.loads_ok - before[1],
+        loads_failed=stats.loads_failed - before[2],
+    )
+
+
+def sharpen_dummy_weights(h: EngineHandles, seed: int = 0) -> None:
+    """Re-draw the dummy weights so the output depends on the context.
+
+    vLLM's dummy weights are uniform in [-1e-3, 1e-3], norms included: the residual stream
+    then dominates and attention barely moves the logits, so a wrong KV block can leave the
+    tokens unchanged. Here: norms 1, matrices uniform in +-1/sqrt(fan_in), deterministic.
+    """
+    import torch
+
+    model = h.core.model_executor.driver_worker.worker.model_runner.model
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _name, p in sorted(model.named_parameters()):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                bound = 1.0 / float(p.shape[-1]) ** 0.5
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)

@@ -1,0 +1,61 @@
+"""Shared set-up for tests that run a real vLLM engine on the CPU build.
+
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless a test says otherwise,
+so checks can reach the scheduler half, the worker half and vLLM's own tensors directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+PROBE = {"kv_connector": "ProbeConnector", "kv_connector_module_path": "kvtier.testing.probe"}
+
+
+def make_llm(model: str, extra: dict[str, Any] | None = None, **kw: Any) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args: dict[str, Any] = dict(
+        load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        max_model_len=4096, max_num_seqs=4, block_size=32, seed=0,
+    )
+    args.update(kw)
+    ktc = KVTransferConfig(**PROBE, kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"dram_size": "128MiB", **(extra or {})})
+    return LLM(model=model, kv_transfer_config=ktc, **args)
+
+
+def greedy(max_tokens: int = 8, logprobs: int = 5) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                          temperature=0.0, logprobs=logprobs)
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 1000) -> list[int]:
+    """A deterministic token prompt of length ``n``."""
+    return [(seed * 7919 + 31 * i + (i * i) % 97) % vocab + 3 for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvtier.testing.models import tiny_llama
+
+    return tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def shutdown_after() -> Iterator[list[Any]]:
+    engines: list[Any] = []
+    yield engines
+    for llm in engines:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
