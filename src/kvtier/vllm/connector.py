@@ -316,6 +316,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             "saves_committed": s.saves_committed, "saves_failed": s.saves_failed,
             "fences": s.fences, "unsaveable_requests": s.unsaveable_requests,
             "evictions": self._sched.index.evictions, "resets": s.resets,
+            "loaded_tokens": s.loaded_tokens,
         }
         for reason, n in s.declined.items():
             out[f"declined_{reason}"] = n
@@ -324,11 +325,21 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         used, total = self._sched.occupancy()
         out["gauge_slots_used"] = used
         out["gauge_slots_total"] = total
+        out["gauge_chunk_tokens"] = self._sched.geometry.chunk_tokens
         return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
         return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           **kwargs: Any) -> Any:
+        """kvtier's series on vLLM's /metrics (kvtier.vllm.prom lists them)."""
+        from kvtier.vllm.prom import KvtierPromMetrics
+
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

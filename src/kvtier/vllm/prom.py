@@ -1,0 +1,180 @@
+"""kvtier's connector stats as Prometheus metrics on vLLM's ``/metrics``.
+
+vLLM builds this in its API-server process through ``KvtierConnector.build_prom_metrics`` and
+calls :meth:`KvtierPromMetrics.observe` with each engine step's stats payload: the dict of a
+:class:`kvtier.vllm.stats.KvtierStats` (worker counters aggregated over ranks, plus the
+scheduler half's counters). Contract:
+
+- Keys without the ``gauge_`` prefix are counter *increments*; ``gauge_*`` keys are levels.
+- Every key in :data:`COUNTERS` / :data:`GAUGES` maps to one series (a metric plus fixed
+  labels); ``declined_<reason>`` and ``saves_dropped_<reason>`` map to a ``reason`` label. A
+  key this module does not know still appears, as ``vllm:kvtier_<key>_total`` (or
+  ``vllm:kvtier_<key>`` for a gauge), so new stats are never silently lost.
+- ``vllm:kvtier_transfer_gbps{direction}`` is the throughput of the latest step that moved
+  bytes in that direction (bytes / seconds the transfers took); for an average over time use
+  ``rate(vllm:kvtier_transfer_bytes_total[1m]) / rate(vllm:kvtier_transfer_seconds_total[1m])``.
+- Every fixed series exists from start-up (value 0), per engine, so dashboards and scrapes
+  see the full set before the first request.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from kvtier.planner import Decline
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+PREFIX = "vllm:kvtier_"
+GAUGE = "gauge_"
+
+# stats key -> (metric name without prefix, extra labels, documentation)
+COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
+    "lookups": ("lookups", {}, "Lookups of waiting requests in kvtier's index."),
+    "hits": ("hits", {}, "Lookups that found stored chunks beyond the HBM hit and decided to "
+             "load them."),
+    "hit_tokens": ("hit_tokens", {}, "Prompt tokens kvtier promised to vLLM (decided loads)."),
+    "loaded_tokens": ("restored_tokens", {}, "Prompt tokens restored from kvtier by loads that "
+                      "completed on every rank (prefill work avoided)."),
+    "loads_started": ("loads", {"outcome": "started"}, "Load jobs, by outcome."),
+    "loads_ok": ("loads", {"outcome": "ok"}, "Load jobs, by outcome."),
+    "loads_failed": ("loads", {"outcome": "failed"}, "Load jobs, by outcome."),
+    "saves_planned": ("saves", {"outcome": "planned"}, "Chunk saves, by outcome."),
+    "saves_committed": ("saves", {"outcome": "committed"}, "Chunk saves, by outcome."),
+    "saves_failed": ("saves", {"outcome": "failed"}, "Chunk saves, by outcome."),
+    "evictions": ("evictions", {}, "Chunks evicted from the DRAM tier to make room."),
+    "bytes_saved": ("transfer_bytes", {"direction": "save"}, "Bytes moved between the KV "
+                    "cache and the DRAM tier, per direction (save: device to host)."),
+    "bytes_loaded": ("transfer_bytes", {"direction": "load"}, "Bytes moved between the KV "
+                     "cache and the DRAM tier, per direction (save: device to host)."),
+    "save_seconds": ("transfer_seconds", {"direction": "save"}, "Seconds transfers took, per "
+                     "direction (summed over ranks and concurrent jobs)."),
+    "load_seconds": ("transfer_seconds", {"direction": "load"}, "Seconds transfers took, per "
+                     "direction (summed over ranks and concurrent jobs)."),
+    "save_jobs": ("transfer_jobs", {"direction": "save"}, "Transfer jobs finished by workers, "
+                  "per direction (one per rank)."),
+    "load_jobs": ("transfer_jobs", {"direction": "load"}, "Transfer jobs finished by workers, "
+                  "per direction (one per rank)."),
+    "transfer_failures": ("transfer_failures", {}, "Worker transfer jobs that failed (the "
+                          "load is recomputed, the save dropped)."),
+    "fences": ("fences", {}, "Saves fenced because their source blocks were reallocated or "
+               "their request preempted."),
+    "fences_waited": ("fences_waited", {}, "Fences a worker had to wait for."),
+    "unsaveable_requests": ("unsaveable_requests", {}, "Requests with extra keys kvtier "
+                            "cannot include (neither saved nor loaded)."),
+    "resets": ("resets", {}, "Resets of the DRAM tier (reset_prefix_cache with the connector)."),
+}
+DECLINED = ("loads_declined", "Hits not loaded, by reason.")
+DROPPED = ("saves_dropped", "Chunk saves dropped before they started, by reason.")
+KNOWN_DROP_REASONS = ("already_stored", "parent_not_stored", "no_evictable_slot",
+                      "save_queue_full", "admission", "blocks_missing")
+
+GAUGES: dict[str, tuple[str, str]] = {
+    "gauge_slots_used": ("slots_used", "DRAM-tier slots holding a chunk (or being written)."),
+    "gauge_slots_total": ("slots_total", "DRAM-tier slots."),
+    "gauge_chunk_tokens": ("chunk_tokens", "Tokens per stored chunk."),
+}
+OCCUPANCY = ("occupancy", "Share of DRAM-tier slots in use (slots_used / slots_total).")
+GBPS = ("transfer_gbps", "GB/s of the latest step that moved bytes, per direction.")
+
+_NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
+logger = logging.getLogger("kvtier")
+
+
+class _Null:
+    """Stands in for a metric that could not be registered."""
+
+    def labels(self, *_: object) -> _Null:
+        return self
+
+    def inc(self, *_: object) -> None:
+        return None
+
+    def set(self, *_: object) -> None:
+        return None
+
+
+_NULL = _Null()
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._families: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[int, str, str, tuple[tuple[str, str], ...]], Any] = {}
+        for engine in per_engine_labelvalues:
+            for name, labels, doc in COUNTERS.values():
+                self._series(engine, "counter", name, labels, doc)
+            for reason in Decline:
+                self._series(engine, "counter", DECLINED[0], {"reason": reason.value},
+                             DECLINED[1])
+            for reason in KNOWN_DROP_REASONS:
+                self._series(engine, "counter", DROPPED[0], {"reason": reason}, DROPPED[1])
+            for name, doc in (*GAUGES.values(), OCCUPANCY):
+                self._series(engine, "gauge", name, {}, doc)
+            for direction in ("save", "load"):
+                self._series(engine, "gauge", GBPS[0], {"direction": direction}, GBPS[1])
+
+    def _series(self, engine: int, kind: str, name: str, labels: dict[str, str], doc: str
+                ) -> Any:
+        """The child of metric ``vllm:kvtier_<name>`` for this engine and these labels."""
+        lk = tuple(sorted(labels.items()))
+        child = self._children.get((engine, kind, name, lk))
+        if child is not None:
+            return child
+        extra = tuple(k for k, _ in lk)
+        family = self._families.get((kind, name, extra))
+        if family is None:
+            full = PREFIX + name
+            try:
+                if kind == "counter":
+                    family = self._counter_cls(name=full, documentation=doc,
+                                               labelnames=[*self._labelnames, *extra])
+                else:
+                    family = self._gauge_cls(name=full, documentation=doc,
+                                             labelnames=[*self._labelnames, *extra],
+                                             multiprocess_mode="mostrecent")
+            except ValueError:  # an unknown key whose name clashes with a known metric
+                logger.warning("kvtier: cannot export %s %s as %s%s", kind, name, PREFIX, name)
+                family = _NULL
+            self._families[(kind, name, extra)] = family
+        child = family.labels(*self.per_engine_labelvalues[engine], *(v for _, v in lk))
+        self._children[(engine, kind, name, lk)] = child
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data or {}
+        for key, value in data.items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if key.startswith(GAUGE):
+                name, doc = GAUGES.get(key, (_clean(key[len(GAUGE):]), f"kvtier gauge {key}."))
+                self._series(engine_idx, "gauge", name, {}, doc).set(value)
+                continue
+            if value < 0:
+                continue  # counters only go up; a negative delta means a restarted source
+            if key in COUNTERS:
+                name, labels, doc = COUNTERS[key]
+            elif key.startswith("declined_"):
+                name, labels, doc = DECLINED[0], {"reason": key[len("declined_"):]}, DECLINED[1]
+            elif key.startswith("saves_dropped_"):
+                name, labels, doc = (DROPPED[0], {"reason": key[len("saves_dropped_"):]},
+                                     DROPPED[1])
+            else:
+                name, labels, doc = _clean(key), {}, f"kvtier counter {key}."
+            if value:
+                self._series(engine_idx, "counter", name, labels, doc).inc(value)
+        used, total = data.get("gauge_slots_used"), data.get("gauge_slots_total")
+        if used is not None and total:
+            self._series(engine_idx, "gauge", OCCUPANCY[0], {}, OCCUPANCY[1]).set(used / total)
+        for direction, b, s in (("save", "bytes_saved", "save_seconds"),
+                                ("load", "bytes_loaded", "load_seconds")):
+            if data.get(b) and data.get(s):
+                self._series(engine_idx, "gauge", GBPS[0], {"direction": direction},
+                             GBPS[1]).set(data[b] / data[s] / 1e9)
+
+
+def _clean(key: str) -> str:
+    return _NAME_OK.sub("_", key)
