@@ -1,0 +1,283 @@
+"""``kvtier bench serving``: the serving workloads against an OpenAI-compatible endpoint, or
+against several server configurations in turn (``--compare``), side by side.
+
+Each configuration runs the same seeded requests. Per configuration the bench warms the
+server up (requests that are not measured and share nothing with the workload), scrapes
+``/metrics``, drives the workload, scrapes again once the counters settle, and summarises
+(:mod:`kvtier.bench.metrics`). Output: the table on stdout, and under ``--out``: results.json
+(metadata, summaries, every request), results.png (:mod:`kvtier.bench.plot`), table.txt, and
+with ``--compare`` one server log per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import aiohttp
+
+from kvtier.bench import scrape
+from kvtier.bench.client import LoadShape, RequestResult, discover_model, drive, send
+from kvtier.bench.metrics import Summary, summarize
+from kvtier.bench.report import metadata, ratio_lines, table, write_json
+from kvtier.bench.workloads import (
+    AgentSessions,
+    NoReuse,
+    RequestSpec,
+    SharedPrefix,
+    Workload,
+    warmup_prompts,
+)
+
+HELP = "serving workloads (shared-prefix, agent-sessions, no-reuse) against OpenAI endpoints"
+DEFAULT_CHUNK = 256
+KEEP_METRICS = ("vllm:kvtier_", "vllm:prompt_tokens", "vllm:prefix_cache",
+                "vllm:external_prefix_cache", "vllm:num_preemptions")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("target")
+    t.add_argument("--url", default="http://localhost:8000",
+                   help="base URL of an OpenAI-compatible server (default %(default)s)")
+    t.add_argument("--model", help="model name to request (default: the first /v1/models lists)")
+    t.add_argument("--name", default="server", help="label of this configuration in reports")
+    t.add_argument("--compare", action="append", default=[], metavar="NAME=SERVE_ARGS",
+                   help="start a server with `kvtier serve SERVE_ARGS`, run the workload, stop "
+                   "it; repeat for each --compare, then print them side by side (the first is "
+                   "the baseline). A free port is chosen unless SERVE_ARGS has --port")
+    t.add_argument("--server-timeout", type=float, default=900.0,
+                   help="seconds to wait for a --compare server to start (default %(default)s)")
+
+    w = p.add_argument_group("workload (DESIGN.md §4)")
+    w.add_argument("--workload", choices=["shared-prefix", "agent-sessions", "no-reuse"],
+                   default="shared-prefix")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
+    w.add_argument("--output-len", type=int, default=16, help="output tokens per request")
+    w.add_argument("--prefixes", type=int, default=8, help="shared-prefix: prefixes in the pool")
+    w.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: prefix tokens")
+    w.add_argument("--suffix-len", type=int, default=256,
+                   help="shared-prefix: unique suffix tokens per request")
+    w.add_argument("--order", choices=["round-robin", "random"], default="round-robin",
+                   help="shared-prefix: which prefix each request uses")
+    w.add_argument("--sessions", type=int, default=8,
+                   help="agent-sessions: sessions interleaved")
+    w.add_argument("--turns", type=int, default=6, help="agent-sessions: turns per session")
+    w.add_argument("--first-len", type=int, default=2048,
+                   help="agent-sessions: tokens of a session's first prompt")
+    w.add_argument("--tool-len", type=int, default=256,
+                   help="agent-sessions: tool-result tokens added per turn")
+    w.add_argument("--message-len", type=int, default=64,
+                   help="agent-sessions: new-message tokens added per turn")
+    w.add_argument("--prompt-len", type=int, default=2048, help="no-reuse: prompt tokens")
+
+    ld = p.add_argument_group("load")
+    how = ld.add_mutually_exclusive_group()
+    how.add_argument("--concurrency", type=int, help="requests in flight (default 4)")
+    how.add_argument("--rate", type=float, help="arrivals per second instead of a concurrency")
+    ld.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
+                    help="gaps between arrivals with --rate")
+    until = ld.add_mutually_exclusive_group()
+    until.add_argument("--requests", type=int, help="requests to send (default 32)")
+    until.add_argument("--duration", type=float, help="seconds to keep issuing requests")
+    ld.add_argument("--warmup", type=int, default=2,
+                    help="unmeasured requests before the run (default %(default)s)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="directory for results.json, results.png, table.txt "
+                   "(default bench/results/<time>-<workload>)")
+    o.add_argument("--chunk-tokens", type=int,
+                   help="kvtier chunk size for the whole-chunk share (default: what the server "
+                   f"reports as vllm:kvtier_chunk_tokens, else {DEFAULT_CHUNK})")
+    o.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="extra fields for every request body")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--no-plot", action="store_true", help="no PNG")
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    if args.workload == "shared-prefix":
+        return SharedPrefix(args.prefixes, args.prefix_len, args.suffix_len, args.output_len,
+                            args.order, args.seed, args.vocab)
+    if args.workload == "agent-sessions":
+        return AgentSessions(args.sessions, args.turns, args.first_len, args.tool_len,
+                             args.message_len, args.output_len, args.seed, args.vocab)
+    return NoReuse(args.prompt_len, args.output_len, args.seed, args.vocab)
+
+
+def make_load(args: argparse.Namespace) -> LoadShape:
+    conc = args.concurrency if args.rate is None else None
+    if conc is None and args.rate is None:
+        conc = 4
+    reqs = args.requests if args.duration is None else None
+    if reqs is None and args.duration is None:
+        reqs = 32
+    return LoadShape(conc, args.rate, args.arrival, reqs, args.duration, args.seed)
+
+
+@dataclass
+class Run:
+    """One configuration's outcome."""
+
+    name: str
+    url: str
+    summary: Summary
+    results: list[RequestResult]
+    serve_args: list[str] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "serve_args": self.serve_args, **self.info,
+                "summary": self.summary.to_json(),
+                "requests": [r.to_json() for r in self.results]}
+
+
+async def _version(url: str) -> str | None:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(f"{url}/version") as r:
+            return str((await r.json()).get("version")) if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+async def run_one(name: str, url: str, args: argparse.Namespace,
+                  serve_args: list[str] | None = None) -> Run:
+    """Warm up, scrape, drive the workload, scrape, summarise. Raises on an unreachable
+    server; failed requests are counted, not raised."""
+    model = args.model or await discover_model(url)
+    workload, load = make_workload(args), make_load(args)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for i, p in enumerate(warmup_prompts(args.warmup, 128, args.seed, args.vocab)):
+            res = await send(session, url, model, RequestSpec(-1 - i, p, 4, "warmup"),
+                             time.perf_counter(), extra=args.extra_body)
+            if res.error:
+                raise RuntimeError(f"warm-up request to {url} failed: {res.error}")
+    before = await scrape.scrape(url)
+    bar = _progress(name, load, args.no_progress)
+    results, wall = await drive(url, model, workload, load,
+                                on_done=(lambda _r: bar.update(1)) if bar else None,
+                                extra=args.extra_body)
+    if bar:
+        bar.close()
+    after = await scrape.scrape_settled(url)
+    delta = scrape.delta(after, before)
+    present = scrape.has_kvtier(after)
+    chunk = args.chunk_tokens or int(scrape.total(after, scrape.CHUNK_TOKENS) or 0) or DEFAULT_CHUNK
+    summary = summarize(name, results, wall, delta, chunk, present)
+    info = {"model": model, "vllm_version": await _version(url), "shape": workload.shape(),
+            "load": load.describe(),
+            "metrics_delta": {k: v for k, v in delta.items() if k.startswith(KEEP_METRICS)}}
+    return Run(name, url, summary, results, serve_args, info)
+
+
+def _progress(name: str, load: LoadShape, off: bool) -> Any:
+    if off:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=load.requests, desc=name, unit="req", file=sys.stderr, leave=True,
+                dynamic_ncols=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_compare(items: list[str]) -> list[tuple[str, list[str]]]:
+    out = []
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not sep or not name.strip() or not rest.strip():
+            raise ValueError(f"--compare wants NAME='kvtier serve args', got {item!r}")
+        out.append((name.strip(), shlex.split(rest)))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--compare names must differ, got {names}")
+    return out
+
+
+def run_compare(args: argparse.Namespace, out_dir: str) -> list[Run]:
+    """Start each configuration's server, run the workload against it, stop it; in order."""
+    from kvtier.vllm import serve
+
+    runs = []
+    for name, argv in parse_compare(args.compare):
+        sa = serve.parse(argv)
+        if serve.flag_value(sa.vllm_args, "--port") is None:
+            sa.vllm_args += ["--port", str(_free_port())]
+        if serve.flag_value(sa.vllm_args, "--host") is None:
+            sa.vllm_args += ["--host", "127.0.0.1"]
+        url = serve.base_url(sa.vllm_args)
+        log_path = os.path.join(out_dir, f"server-{_slug(name)}.log")
+        print(f"[{name}] starting: kvtier serve {shlex.join(argv)}", file=sys.stderr, flush=True)
+        with open(log_path, "wb") as log:
+            proc = serve.launch(sa, log)
+            try:
+                waited = serve.wait_ready(url, proc, args.server_timeout, log_path)
+                print(f"[{name}] ready after {waited:.0f} s at {url}", file=sys.stderr, flush=True)
+                run = asyncio.run(run_one(name, url, args, argv))
+                run.info["server_start_s"] = round(waited, 1)
+                runs.append(run)
+            finally:
+                serve.stop(proc)
+    return runs
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def report(runs: list[Run], out_dir: str, args: argparse.Namespace) -> str:
+    """Print and write the table, the ratio lines, results.json and results.png."""
+    summaries = [r.summary for r in runs]
+    text = "\n".join([table(summaries), *ratio_lines(summaries)])
+    print(text, flush=True)
+    with open(os.path.join(out_dir, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    write_json(os.path.join(out_dir, "results.json"), metadata(), [r.to_json() for r in runs])
+    if not args.no_plot:
+        from kvtier.bench.plot import plot
+
+        shape = runs[0].info.get("shape", {}) if runs else {}
+        title = ", ".join(f"{k}={v}" for k, v in shape.items()) + (
+            f"; {runs[0].info.get('load')}" if runs else "")
+        plot(os.path.join(out_dir, "results.png"), [(r.summary, r.results) for r in runs], title)
+    print(f"results: {out_dir}/ (results.json, table.txt"
+          f"{'' if args.no_plot else ', results.png'})", file=sys.stderr)
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        make_load(args), make_workload(args)  # validate before starting anything
+        if args.compare:
+            parse_compare(args.compare)
+    except ValueError as e:
+        print(f"kvtier bench: {e}", file=sys.stderr)
+        return 2
+    out_dir = args.out or os.path.join(
+        "bench", "results", f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{args.workload}")
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        if args.compare:
+            runs = run_compare(args, out_dir)
+        else:
+            runs = [asyncio.run(run_one(args.name, args.url.rstrip("/"), args))]
+    except (RuntimeError, OSError, aiohttp.ClientError) as e:
+        print(f"kvtier bench: {e}", file=sys.stderr)
+        return 1
+    report(runs, out_dir, args)
+    return 0 if all(r.summary.failed == 0 for r in runs) else 1

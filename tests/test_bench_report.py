@@ -1,0 +1,112 @@
+"""Summaries, attribution of prompt tokens, the table, the ratio line, JSON and the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvtier.bench import scrape
+from kvtier.bench.client import RequestResult
+from kvtier.bench.metrics import percentile, summarize, ttft_ratio
+from kvtier.bench.plot import plot
+from kvtier.bench.report import ratio_lines, table, write_json
+
+RESTORED = scrape.key(scrape.RESTORED, {"engine": "0", "model_name": "m"})
+
+
+def _req(i: int, reuse: int, ttft: float, cached: int | None, prompt: int = 1000,
+         error: str | None = None) -> RequestResult:
+    return RequestResult(i, f"g{i % 2}", 0, reuse, prompt, 4, start=0.1 * i, ttft=ttft,
+                         latency=ttft + 0.03, itl=[0.01, 0.01, 0.01], output_tokens=4,
+                         cached_tokens=cached, error=error)
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([], 50) is None
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(101)), 90) == 90
+    assert percentile([10, 0], 25) == 2.5
+
+
+def test_summary_attributes_prompt_tokens() -> None:
+    results = [_req(0, 0, 0.5, 0), _req(1, 0, 0.7, 0),
+               _req(2, 800, 0.10, 800), _req(3, 800, 0.12, 832),
+               _req(4, 800, 0.2, None, error="HTTP 500")]
+    s = summarize("kvtier", results, 2.0, {RESTORED: 1536.0}, chunk_tokens=256,
+                  kvtier_present=True)
+    assert (s.requests, s.failed, s.repeat_requests) == (5, 1, 2)
+    assert s.prompt_tokens == 4000 and s.output_tokens == 16
+    assert s.input_tok_s == 2000 and s.total_tok_s == 2008
+    assert s.cached_tokens == 1632 and s.kvtier_tokens == 1536 and s.hbm_tokens == 96
+    assert s.reuse_tokens == 1600 and s.restorable_tokens == 1536
+    assert s.kvtier_share_of_restorable == 1.0
+    assert s.hbm_share_of_repeat == pytest.approx(96 / 1600, abs=1e-4)
+    assert s.ttft_repeat_p50_ms == pytest.approx(110.0)
+    assert s.ttft_first_p50_ms == pytest.approx(600.0)
+    assert s.itl_p50_ms == pytest.approx(10.0)
+
+
+def test_summary_without_kvtier_or_usage_details() -> None:
+    results = [_req(0, 0, 0.5, None), _req(1, 500, 0.4, None)]
+    s = summarize("plain", results, 1.0, {}, chunk_tokens=256, kvtier_present=False)
+    assert s.cached_tokens is None and s.hbm_tokens is None and s.kvtier_tokens == 0
+    assert s.hbm_share_of_repeat is None and s.kvtier_share_of_restorable == 0.0
+
+
+def _pair() -> list:  # type: ignore[type-arg]
+    base = summarize("HBM-only", [_req(0, 0, 0.5, 0), _req(1, 800, 0.6, 0)], 1.0, {}, 256,
+                     False)
+    kvt = summarize("kvtier", [_req(0, 0, 0.5, 0), _req(1, 800, 0.1, 768)], 1.0,
+                    {RESTORED: 768.0}, 256, True)
+    return [base, kvt]
+
+
+def test_table_and_ratio_line() -> None:
+    base, kvt = _pair()
+    text = table([base, kvt])
+    lines = text.splitlines()
+    assert lines[0].split() == ["HBM-only", "kvtier"]
+    assert any(line.startswith("TTFT p50, repeated-prefix reqs (ms)") for line in lines)
+    row = next(line for line in lines if line.startswith("prompt tokens from kvtier"))
+    assert row.split()[-2:] == ["768", "(384/req)"]
+    assert "- (off)" in next(line for line in lines if line.startswith("kvtier / whole"))
+    assert ttft_ratio(base, kvt) == pytest.approx(6.0)
+    assert ratio_lines([base, kvt]) == [
+        "kvtier vs HBM-only: median TTFT of repeated-prefix requests 6.0x lower"]
+    assert ratio_lines([kvt, base]) == [
+        "HBM-only vs kvtier: median TTFT of repeated-prefix requests 6.0x higher"]
+    assert ratio_lines([base]) == []
+
+
+def test_json_and_plot_files(tmp_path: str) -> None:
+    base, kvt = _pair()
+    path = os.path.join(tmp_path, "r.json")
+    write_json(path, {"date": "x"}, [{"name": "a", "summary": base.to_json()}])
+    with open(path) as f:
+        data = json.load(f)
+    assert data["meta"] == {"date": "x"} and data["runs"][0]["summary"]["name"] == "HBM-only"
+    png = os.path.join(tmp_path, "r.png")
+    res = [_req(0, 0, 0.5, 0), _req(1, 800, 0.1, 768)]
+    plot(png, [(base, res), (kvt, res)], "title")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scrape_parse_total_and_delta() -> None:
+    text = "\n".join([
+        "# HELP vllm:x x", "# TYPE vllm:x counter",
+        'vllm:x_total{engine="0",model_name="m",reason="a"} 3.0',
+        'vllm:x_total{engine="0",model_name="m",reason="b"} 4.0',
+        'vllm:x_created{engine="0",model_name="m",reason="b"} 1.7e9',
+        "plain 1e3", "garbage line {",
+    ])
+    s = scrape.parse(text)
+    assert scrape.total(s, "vllm:x_total") == 7.0
+    assert scrape.total(s, "vllm:x_total", reason="b") == 4.0
+    assert scrape.total(s, "missing") is None and s["plain"] == 1000.0
+    assert not any("created" in k for k in s)
+    after = dict(s, plain=1500.0)
+    assert scrape.delta(after, s) == {"plain": 500.0}

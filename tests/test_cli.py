@@ -1,0 +1,173 @@
+"""The kvtier command: config, serve (command building), bench (against a fake server)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvtier import bench
+from kvtier.cli import main, settings_doc
+from kvtier.config import KvtierConfig
+from kvtier.vllm import serve
+
+FAKE = os.path.join(os.path.dirname(__file__), "_fake_openai.py")
+
+
+def test_config_prints_every_setting_with_its_doc(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    for name, f in KvtierConfig.model_fields.items():
+        assert f"\n{name} = " in out and f.description and f.description in out
+    assert "dram_size = '4GiB'" in out and "KVTIER_DRAM_SIZE" in out
+    assert main(["config", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == list(KvtierConfig.model_fields)
+    assert all(r["doc"] for r in rows) and rows == json.loads(json.dumps(settings_doc(),
+                                                                         default=str))
+
+
+def _dry(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    assert main(["serve", *argv, "--dry-run"]) == 0
+    return shlex.split(capsys.readouterr().out.strip())
+
+
+def test_serve_builds_the_vllm_command(capsys: pytest.CaptureFixture[str]) -> None:
+    cmd = _dry(capsys, "/models/x", "--dtype", "float32", "--dram-size", "2GiB", "--policy",
+               "lru", "--chunk-tokens", "512", "--port", "8123", "--kvtier-set",
+               "max_pending_saves=64", "--block-size=32")
+    assert cmd[:5] == [sys.executable, "-m", serve.VLLM_ENTRY, "--model", "/models/x"]
+    assert cmd[5:9] == ["--dtype", "float32", "--port", "8123"] and "--block-size=32" in cmd
+    ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert ktc == {"kv_connector": "kvtier", "kv_role": "kv_both",
+                   "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"max_pending_saves": 64, "dram_size": "2GiB",
+                                                 "policy": "lru", "chunk_tokens": 512}}
+    assert cmd.count("--enable-prompt-tokens-details") == 1
+    assert serve.base_url(cmd) == "http://localhost:8123"
+
+
+def test_serve_without_kvtier(capsys: pytest.CaptureFixture[str]) -> None:
+    cmd = _dry(capsys, "m", "--no-kvtier", "--no-enable-prompt-tokens-details")
+    assert "--kv-transfer-config" not in cmd and "--enable-prompt-tokens-details" not in cmd
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["m", "--dram-size", "2G"], "unknown unit 'G'"),
+    (["m", "--kvtier-set", "dram_sise=1GiB"], "did you mean 'dram_size'"),
+    (["m", "--kvtier-set", "oops"], "KEY=VALUE"),
+    (["m", "--kv-transfer-config", "{}"], "writes --kv-transfer-config itself"),
+    (["m", "--no-kvtier", "--dram-size", "1GiB"], "with --no-kvtier"),
+    (["m", "--model", "other"], "model once"),
+])
+def test_serve_rejects_bad_input_before_starting(argv: list[str], msg: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *argv, "--dry-run"]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_base_url_and_flag_values() -> None:
+    assert serve.base_url([]) == "http://localhost:8000"
+    assert serve.base_url(["--host", "0.0.0.0", "--port=9"]) == "http://localhost:9"
+    assert serve.base_url(["--host", "10.0.0.2", "--port", "1", "--port", "2"]) == (
+        "http://10.0.0.2:2")
+
+
+def test_every_registered_bench_has_the_module_interface() -> None:
+    assert bench.DEFAULT in bench.BENCHES
+    for path in bench.BENCHES.values():
+        mod = importlib.import_module(path)
+        assert isinstance(mod.HELP, str) and callable(mod.add_arguments) and callable(mod.run)
+
+
+def test_bench_rejects_bad_load_before_running(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: str) -> None:
+    assert main(["bench", "--requests", "0", "--out", str(tmp_path)]) == 2
+    assert "requests must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--concurrency", "2", "--rate", "1"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fake_server(port: int, kvtier: bool = True, log: Any = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--kvtier",
+                             str(int(kvtier))], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def fake_url() -> Iterator[str]:
+    port = _free_port()
+    proc = _fake_server(port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve.wait_ready(url, proc, timeout=30)
+        yield url
+    finally:
+        serve.stop(proc, grace=10)
+
+
+def test_bench_against_an_endpoint_writes_results(fake_url: str, tmp_path: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = os.path.join(tmp_path, "res")
+    rc = main(["bench", "--url", fake_url, "--prefixes", "2", "--prefix-len", "128",
+               "--suffix-len", "16", "--output-len", "3", "--requests", "6",
+               "--concurrency", "2", "--no-progress", "--out", out, "--name", "fake"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == ["fake"]
+    assert sorted(os.listdir(out)) == ["results.json", "results.png", "table.txt"]
+    with open(os.path.join(out, "results.json")) as f:
+        data = json.load(f)
+    run = data["runs"][0]
+    assert run["model"] == "fake-model" and run["vllm_version"] == "fake-0"
+    assert len(run["requests"]) == 6 and run["summary"]["failed"] == 0
+    assert run["summary"]["chunk_tokens"] == 64  # read from the server's gauge
+    # warm-up requests are not measured: 2 of them reached the server before the run
+    assert run["summary"]["repeat_requests"] == 4
+    assert run["summary"]["kvtier_tokens"] == run["metrics_delta"][
+        'vllm:kvtier_restored_tokens_total{engine="0",model_name="fake"}']
+    assert data["meta"]["machine"]["cores"] and data["meta"]["command"].startswith("kvtier")
+
+
+def test_bench_compare_starts_each_server_in_turn(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    launched: list[serve.ServeArgs] = []
+
+    def fake_launch(sa: serve.ServeArgs, log: Any = None, env: Any = None
+                    ) -> subprocess.Popen[bytes]:
+        launched.append(sa)
+        port = int(serve.flag_value(sa.vllm_args, "--port") or 0)
+        return _fake_server(port, sa.kvtier, log)
+
+    monkeypatch.setattr(serve, "launch", fake_launch)
+    out = os.path.join(tmp_path, "cmp")
+    rc = main(["bench", "--prefixes", "2", "--prefix-len", "128", "--suffix-len", "16",
+               "--output-len", "2", "--requests", "4", "--concurrency", "1", "--no-progress",
+               "--no-plot",
+               "--out", out, "--compare", "HBM-only=m --no-kvtier --dtype float32",
+               "--compare", "kvtier=m --dram-size 1GiB"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == ["HBM-only", "kvtier"]
+    assert text.splitlines()[-1].startswith(
+        "kvtier vs HBM-only: median TTFT of repeated-prefix requests ")
+    assert [sa.kvtier for sa in launched] == [False, True]
+    assert launched[1].settings == {"dram_size": "1GiB"}
+    assert "--dtype" in launched[0].vllm_args and "--port" in launched[0].vllm_args
+    assert sorted(os.listdir(out)) == ["results.json", "server-HBM-only.log",
+                                       "server-kvtier.log", "table.txt"]
