@@ -1,156 +1,608 @@
-"""Transfers on CUDA side streams, ordered by events; the forward never waits on the host.
+"""The GPU data path: chunks between the paged KV cache and pinned slab slots at host-link speed.
 
-- A save records an event on the compute stream at the end of the step (after the forward)
-  and runs its gather and device->host copies on the save stream after that event.
-- A load records an event on the compute stream when the step begins (so it lands after
-  anything the step already queued on those blocks, such as vLLM 0.25.1 zeroing new mamba
-  blocks) and runs on the load stream; it is reported only once its done-event completed, and
-  vLLM reads the blocks only after that report.
-- A fence makes the compute stream wait for a save's done-event: no host synchronisation.
-- Device staging is bounded by ``gpu_staging_size``: a job's segments are copied in pieces
-  that fit, so a large chunk never allocates more than that at once.
+Two ways to move a batch of chunks of one KV-cache group, chosen per group by piece size (a
+*piece* is one segment's run of one block; see :mod:`kvtier.layout`):
+
+- ``dma``: one copy-engine descriptor per piece, straight between the cache and the slots
+  (merged where pieces continue each other), all of a batch in one ``cuMemcpyBatchAsync``.
+  Uses no SMs. Good when pieces are large (the descriptor cost and the copy engine's per-copy
+  overhead are paid per piece).
+- ``kernel``: a Triton gather into a bounded device staging ring (:mod:`kvtier.gpu.kernels`),
+  then one DMA per chunk (per run of adjacent slots) to the host; loads in reverse. Costs a
+  short burst on a few SMs, but the link sees only chunk-sized copies. Good for small pieces.
+
+``mode="auto"`` (default) takes ``kernel`` for a group whose smallest piece is below
+``dma_min_piece`` and ``dma`` otherwise (the default threshold comes from
+``bench/notes/transfer.md``). Both produce exactly the bytes of :mod:`kvtier.codec`.
+
+Ordering (DESIGN.md §2.6, §2.9), with side streams and events only; the host never waits:
+
+- A save reads its blocks after an event recorded on the compute stream when the save was
+  submitted (the end of the step's forward). Saves are batched: :meth:`save` queues the job
+  and the batch is enqueued at the next :meth:`poll`, :meth:`tick`, :meth:`fence`,
+  :meth:`load` or :meth:`close`, or once ``batch_bytes`` are queued; every save of a batch
+  reads after the event of the batch's first save, so a step's saves are submitted back to
+  back after its forward (as the worker does) and a batch never spans a :meth:`tick`.
+- :meth:`fence` makes the compute stream wait for the event after which the save no longer
+  reads its blocks (end of the gather for ``kernel``, end of the DMA for ``dma``).
+- A load waits for the event recorded on the compute stream by :meth:`tick` (the step's
+  start; it lands after anything the step already queued on its blocks) and is reported by
+  :meth:`poll` only once its last write completed; vLLM reads the blocks only after that.
+- Staging is one device buffer of ``gpu_staging_size`` bytes, half per direction, reused in
+  stream order: a batch waits on the GPU for the events of earlier batches whose bytes it
+  overwrites. Block ids reach the kernel through a pinned ring (at most a few MiB).
+
+Every job is reported exactly once by :meth:`poll`: after all its copies completed, or as
+failed (bad block ids or slots, an exception while enqueuing, a CUDA error) once nothing of it
+can still be writing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
-from kvtier.codec import chunk_bytes, segment_offsets
 from kvtier.config import KvtierConfig
+from kvtier.gpu.dma import (
+    Descriptors,
+    Driver,
+    SegmentTable,
+    chunk_descriptors,
+    merge_adjacent,
+    piece_descriptors,
+    run_on_host,
+)
+from kvtier.layout import GroupKind
 from kvtier.ops import SKIP, Job, TransferOp
 from kvtier.transfer import ChunkMover, Completion, TransferEngine
 
+logger = logging.getLogger(__name__)
+
+DMA_MIN_PIECE = 64 * 1024
+"""Default of ``dma_min_piece``: groups whose smallest piece is below it use the kernel path."""
+BATCH_BYTES = 16 * 2**20
+STAGE_ALIGN = 256
+META_ENTRIES = 1 << 18
+
+FaultHook = Callable[[str, Job, TransferOp], None]
+
+
+class CudaRuntime:
+    """Streams, events, pinned memory and DMA of one CUDA device."""
+
+    def __init__(self, device: torch.device, dma: Driver | None = None) -> None:
+        self.device = device
+        self.driver = dma or Driver()
+
+    def stream(self, high_priority: bool = False) -> Any:
+        return torch.cuda.Stream(self.device, priority=-1 if high_priority else 0)
+
+    def event(self, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def copy(self, desc: Descriptors, stream: Any) -> None:
+        self.driver.run(desc, stream.cuda_stream)
+
+    def pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=True)
+
+
+class _HostEvent:
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _HostStream:
+    cuda_stream = 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+class HostRuntime:
+    """TEST ONLY: the engine on CPU tensors. Every copy and kernel runs at once, in enqueue
+    order (kernels through ``TRITON_INTERPRET=1``), every event is complete: the CI checks the
+    engine's batching, validation, bookkeeping and bytes without a GPU."""
+
+    device = torch.device("cpu")
+
+    def stream(self, high_priority: bool = False) -> Any:
+        return _HostStream()
+
+    def event(self, timing: bool = False) -> Any:
+        return _HostEvent()
+
+    def current(self) -> Any:
+        return _HostStream()
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def copy(self, desc: Descriptors, stream: Any) -> None:
+        run_on_host(desc)
+
+    def pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype)
+
+
+Runtime = CudaRuntime | HostRuntime
+
 
 @dataclass
-class _InFlight:
+class _Group:
+    gid: int
+    bpc: int
+    num_blocks: int
+    slot_class: int
+    table: SegmentTable
+    path: str  # "dma" | "kernel"
+    tiles: Any = None  # kernels.TileTable for the kernel path
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.table.chunk_bytes
+
+
+@dataclass
+class _JobState:
     kind: str
-    done: torch.cuda.Event
-    start: torch.cuda.Event
     nbytes: int
-    keep: list[torch.Tensor]
+    remaining: int = 0
     error: str = ""
+    read_events: list[Any] = field(default_factory=list)
+    start: Any = None
     t0: float = 0.0
 
 
+@dataclass
+class _Batch:
+    kind: str
+    job_ids: list[int]
+    done: Any  # None: the context is gone, nothing of the batch can still run
+    error: str = ""
+
+
+class _Ring:
+    """Offsets into a buffer of ``size`` bytes handed out round-robin. Whoever takes a range
+    gets the events of the earlier users of any of its bytes, to wait for (on a stream for
+    device memory, on the host for the pinned id ring)."""
+
+    def __init__(self, size: int, align: int) -> None:
+        self.size = size
+        self.align = align
+        self.pos = 0
+        self.users: deque[tuple[int, int, Any]] = deque()
+
+    def take(self, n: int) -> tuple[int, list[Any]]:
+        if n > self.size:
+            raise ValueError(f"{n} bytes asked of a ring of {self.size}")
+        if self.pos + n > self.size:
+            self.pos = 0
+        a, b = self.pos, self.pos + n
+        self.pos = -(-b // self.align) * self.align
+        waits, keep = [], deque()
+        for user in self.users:
+            if user[0] < b and a < user[1]:
+                waits.append(user[2])
+            else:
+                keep.append(user)
+        self.users = keep
+        return a, waits
+
+    def give(self, a: int, n: int, event: Any) -> None:
+        self.users.append((a, a + n, event))
+
+
+class _IdUpload:
+    """Block ids to the device through a pinned ring, on the current stream."""
+
+    def __init__(self, rt: Runtime, entries: int = META_ENTRIES) -> None:
+        self.rt = rt
+        self.host = rt.pinned(entries, torch.int64)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(entries, dtype=torch.int64, device=rt.device)
+        self.ring = _Ring(entries, 1)
+
+    def __call__(self, ids: np.ndarray) -> torch.Tensor:
+        n = ids.size
+        a, waits = self.ring.take(n)
+        for ev in waits:  # an earlier upload of these entries still in flight: rare, short
+            ev.synchronize()
+        self.host_np[a:a + n] = ids.ravel()
+        out = self.dev[a:a + n]
+        out.copy_(self.host[a:a + n], non_blocking=True)
+        ev = self.rt.event()
+        ev.record(self.rt.current())
+        self.ring.give(a, n, ev)
+        return out
+
+
 class CudaTransferEngine(TransferEngine):
-    def __init__(self, mover: ChunkMover, config: KvtierConfig,
-                 fault: Callable[[str, Job, TransferOp], None] | None = None) -> None:
+    """Saves and loads of whole jobs on CUDA side streams (see the module docstring).
+
+    ``mode``: ``auto`` | ``dma`` | ``kernel`` (``kernel`` falls back to ``dma`` for a group
+    whose chunk does not fit a quarter of the staging). ``batch_bytes``: the most bytes one
+    batch moves. ``max_programs``/``num_warps``: the gather kernel's grid cap and width.
+    ``runtime``: default a :class:`CudaRuntime` of the cache's device; :class:`HostRuntime`
+    runs the same engine on CPU tensors (tests).
+    """
+
+    def __init__(self, mover: ChunkMover, config: KvtierConfig, fault: FaultHook | None = None,
+                 *, mode: str = "auto", dma_min_piece: int = DMA_MIN_PIECE,
+                 batch_bytes: int = BATCH_BYTES, max_programs: int = 128, num_warps: int = 4,
+                 runtime: Runtime | None = None) -> None:
+        if mode not in ("auto", "dma", "kernel"):
+            raise ValueError(f"unknown transfer mode {mode!r} (auto, dma or kernel)")
         self.mover = mover
         self.config = config
         self.fault = fault
-        self.save_stream = torch.cuda.Stream()
-        self.load_stream = torch.cuda.Stream()
-        self._inflight: dict[int, _InFlight] = {}
-        self._failed_now: list[Completion] = []
-        self._step_event: torch.cuda.Event | None = None
+        self.mode = mode
+        self.batch_bytes = batch_bytes
+        self.max_programs = max_programs
+        self.num_warps = num_warps
+        layout = mover.layout
+        device = layout.groups[0].segments[0].storage.device
+        if runtime is None:
+            if device.type != "cuda":
+                raise ValueError(f"the KV cache is on {device}, not on a CUDA device")
+            runtime = CudaRuntime(device)
+        self.rt = runtime
+        self.save_kernel = runtime.stream(high_priority=True)
+        self.save_copy = runtime.stream()
+        self.load_copy = runtime.stream()
+        self.load_kernel = runtime.stream(high_priority=True)
+        half = (int(config.gpu_staging_size) // 2) // STAGE_ALIGN * STAGE_ALIGN
+        self._groups = [self._plan_group(g, half, dma_min_piece) for g in
+                        range(len(layout.groups))]
+        need_stage = any(g.path == "kernel" for g in self._groups)
+        self.stage = torch.empty(2 * half if need_stage else 0, dtype=torch.uint8,
+                                 device=device)
+        self._stage_ring = {"save": _Ring(half, STAGE_ALIGN), "load": _Ring(half, STAGE_ALIGN)}
+        self._stage_base = {"save": 0, "load": half}
+        self._ids = ({"save": _IdUpload(runtime), "load": _IdUpload(runtime)}
+                     if need_stage else {})
+        slab = mover.slab
+        self._slab_base = slab.buffer.data_ptr()
+        self._plan = slab.plan
+        self._queued: list[Job] = []
+        self._queued_bytes = 0
+        self._queued_after: Any = None
+        self._jobs: dict[int, _JobState] = {}
+        self._inflight: list[_Batch] = []
+        self._ready: list[Completion] = []
+        self._step_event: Any = None
 
+    # -- set-up -----------------------------------------------------------------------------
+    def _plan_group(self, gid: int, stage_half: int, dma_min_piece: int) -> _Group:
+        group = self.mover.layout.groups[gid]
+        bpc = 1 if group.spec.kind is GroupKind.STATE else self.mover.blocks_per_chunk[gid]
+        table = SegmentTable.of(group, bpc)
+        fits = table.chunk_bytes <= stage_half // 2
+        if self.mode == "dma" or not fits:
+            path = "dma"
+        elif self.mode == "kernel":
+            path = "kernel"
+        else:
+            path = "kernel" if table.min_piece < dma_min_piece else "dma"
+        g = _Group(gid, bpc, group.num_blocks, self.mover.slot_class[gid], table, path)
+        if path == "kernel":
+            from kvtier.gpu.kernels import TileTable
+
+            g.tiles = TileTable.build(group, bpc, stage_align=STAGE_ALIGN)
+        return g
+
+    def paths(self) -> list[str]:
+        """The path each group takes (``dma`` or ``kernel``)."""
+        return [g.path for g in self._groups]
+
+    # -- the TransferEngine interface ------------------------------------------------------
     def tick(self) -> None:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream())
+        self._flush()
+        ev = self.rt.event()
+        ev.record(self.rt.current())
         self._step_event = ev
 
-    # -- the copies -------------------------------------------------------------------------
-    def _bpc(self, op: TransferOp) -> int:
-        return self.mover._bpc(op)
-
-    def _save_op(self, op: TransferOp, keep: list[torch.Tensor]) -> int:
-        group = self.mover.layout.groups[op.group]
-        bpc = self._bpc(op)
-        dst = self.mover.slab.view(self.mover.slot_class[op.group], op.slot, self.mover.shard)
-        dev = group.segments[0].storage.device
-        idx = torch.tensor(op.block_ids, dtype=torch.long).to(dev, non_blocking=True)
-        keep.append(idx)
-        for seg, off in zip(group.segments, segment_offsets(group, bpc)):
-            rows = seg.blocks().index_select(0, idx)
-            keep.append(rows)
-            dst[off: off + seg.run * bpc].view(bpc, seg.run).copy_(rows, non_blocking=True)
-        return chunk_bytes(group, bpc)
-
-    def _load_op(self, op: TransferOp, keep: list[torch.Tensor]) -> int:
-        group = self.mover.layout.groups[op.group]
-        bpc = self._bpc(op)
-        src = self.mover.slab.view(self.mover.slot_class[op.group], op.slot, self.mover.shard)
-        positions = [i for i, b in enumerate(op.block_ids) if b != SKIP]
-        if not positions:
-            return 0
-        dev = group.segments[0].storage.device
-        ids = torch.tensor([op.block_ids[i] for i in positions], dtype=torch.long)
-        idx = ids.to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long)
-        keep += [idx]
-        for seg, off in zip(group.segments, segment_offsets(group, bpc)):
-            host = src[off: off + seg.run * bpc].view(bpc, seg.run)
-            staged = torch.empty((bpc, seg.run), dtype=torch.uint8, device=dev)
-            staged.copy_(host, non_blocking=True)
-            keep.append(staged)
-            if len(positions) < bpc:
-                staged = staged.index_select(0, pos.to(dev, non_blocking=True))
-                keep.append(staged)
-            seg.blocks().index_copy_(0, idx, staged)
-        return group.bytes_per_block * len(positions)
-
-    def _submit(self, kind: str, job: Job) -> None:
-        stream = self.save_stream if kind == "save" else self.load_stream
-        after = torch.cuda.Event()
-        if kind == "save":
-            after.record(torch.cuda.current_stream())  # after this step's forward
-        else:
-            after = self._step_event or after
-            if self._step_event is None:
-                after.record(torch.cuda.current_stream())
-        start = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
-        keep: list[torch.Tensor] = []
-        nbytes, error = 0, ""
-        with torch.cuda.stream(stream):
-            stream.wait_event(after)
-            start.record(stream)
-            try:
-                for op in job.ops:
-                    if self.fault is not None:
-                        self.fault(kind, job, op)
-                    nbytes += self._save_op(op, keep) if kind == "save" else self._load_op(
-                        op, keep)
-            except Exception as e:  # reported as a failed job once the stream is past it
-                error = f"{type(e).__name__}: {e}"
-            done.record(stream)
-        self._inflight[job.job_id] = _InFlight(kind, done, start, nbytes, keep, error,
-                                               time.perf_counter())
-
     def save(self, job: Job) -> None:
-        self._submit("save", job)
+        if not self._queued:
+            self._queued_after = self.rt.event()
+            self._queued_after.record(self.rt.current())
+        self._queued.append(job)
+        n = len(self._groups)
+        self._queued_bytes += sum(self._groups[op.group].chunk_bytes for op in job.ops
+                                  if 0 <= op.group < n)
+        if self._queued_bytes >= self.batch_bytes:
+            self._flush()
 
     def load(self, job: Job) -> None:
-        self._submit("load", job)
+        self._flush()
+        after = self._step_event
+        if after is None:
+            after = self.rt.event()
+            after.record(self.rt.current())
+        self._submit("load", [job], after)
 
     def fence(self, job_ids: Sequence[int]) -> int:
+        wanted = set(job_ids)
+        if any(j.job_id in wanted for j in self._queued):
+            self._flush()
+        compute = self.rt.current()
         waited = 0
-        compute = torch.cuda.current_stream()
         for job_id in job_ids:
-            f = self._inflight.get(job_id)
-            if f is not None and f.kind == "save":
-                if not f.done.query():
-                    waited += 1
-                compute.wait_event(f.done)
+            st = self._jobs.get(job_id)
+            if st is None or st.kind != "save":
+                continue
+            pending = False
+            for ev in st.read_events:
+                if not ev.query():
+                    pending = True
+                compute.wait_event(ev)
+            waited += pending
         return waited
 
     def poll(self) -> list[Completion]:
-        out = []
-        for job_id, f in list(self._inflight.items()):
-            if f.done.query():
-                del self._inflight[job_id]
-                secs = f.start.elapsed_time(f.done) / 1e3
-                out.append(Completion(job_id, f.kind, not f.error, f.nbytes, secs, f.error))
+        self._flush()
+        out, self._ready = self._ready, []
+        still: list[_Batch] = []
+        for b in self._inflight:
+            err = b.error
+            try:
+                if b.done is not None and not b.done.query():
+                    still.append(b)
+                    continue
+            except RuntimeError as e:  # a CUDA error: nothing of this batch runs any more
+                err = err or f"{type(e).__name__}: {e}"
+            for job_id in b.job_ids:
+                self._finish_part(job_id, b, err, out)
+        self._inflight = still
         return out
 
     def pending(self) -> int:
-        return len(self._inflight)
+        return len(self._queued) + len(self._jobs) + len(self._ready)
+
+    def drain(self) -> None:
+        """Enqueue everything queued and wait on the host until it completed (tests, bench,
+        shutdown); the completions stay for :meth:`poll`."""
+        self._flush()
+        for b in self._inflight:
+            if b.done is not None:
+                with contextlib.suppress(RuntimeError):
+                    b.done.synchronize()
 
     def close(self) -> None:
-        for f in self._inflight.values():
-            f.done.synchronize()
+        self.drain()
         self._inflight.clear()
+        self._jobs.clear()
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _finish_part(self, job_id: int, b: _Batch, err: str, out: list[Completion]) -> None:
+        st = self._jobs.get(job_id)
+        if st is None:
+            return
+        if err and not st.error:
+            st.error = err
+        st.remaining -= 1
+        if st.remaining > 0:
+            return
+        del self._jobs[job_id]
+        secs = time.perf_counter() - st.t0
+        if not st.error and st.start is not None and b.done is not None:
+            with contextlib.suppress(RuntimeError):
+                secs = st.start.elapsed_time(b.done) / 1e3
+        out.append(Completion(job_id, st.kind, not st.error, 0 if st.error else st.nbytes,
+                              secs, st.error))
+
+    def _fail_now(self, kind: str, job: Job, error: str) -> None:
+        self._jobs.pop(job.job_id, None)
+        self._ready.append(Completion(job.job_id, kind, False, 0, 0.0, error))
+
+    def _flush(self) -> None:
+        if not self._queued:
+            return
+        jobs, self._queued = self._queued, []
+        self._queued_bytes = 0
+        after, self._queued_after = self._queued_after, None
+        self._submit("save", jobs, after)
+
+    # -- validation -------------------------------------------------------------------------
+    def _accept(self, kind: str, jobs: list[Job]) -> dict[int, list[tuple[int, TransferOp]]]:
+        """The ops of the jobs that pass every check, by group. A job with any bad op fails
+        as a whole, before anything of it is enqueued."""
+        by_group: dict[int, list[tuple[int, TransferOp]]] = {}
+        for job in jobs:
+            if job.job_id in self._jobs:  # a caller bug; its one report is the first's
+                logger.warning("kvtier: %s job %d submitted again while in flight; ignored",
+                               kind, job.job_id)
+                continue
+            try:
+                nbytes = 0
+                for op in job.ops:
+                    if self.fault is not None:
+                        self.fault(kind, job, op)
+                    if not 0 <= op.group < len(self._groups):
+                        raise ValueError(f"no KV-cache group {op.group}")
+                    g = self._groups[op.group]
+                    if len(op.block_ids) != g.bpc:
+                        raise ValueError(f"{len(op.block_ids)} block ids for a {g.bpc}-block "
+                                         f"chunk of group {g.gid}")
+                    per_block = g.chunk_bytes // g.bpc
+                    nbytes += g.chunk_bytes if kind == "save" else per_block * sum(
+                        1 for b in op.block_ids if b != SKIP)
+            except Exception as e:  # a failed job, reported like any other
+                self._fail_now(kind, job, f"{type(e).__name__}: {e}")
+                continue
+            self._jobs[job.job_id] = _JobState(kind, nbytes, t0=time.perf_counter())
+            for op in job.ops:
+                by_group.setdefault(op.group, []).append((job.job_id, op))
+        bad_jobs: dict[int, str] = {}
+        for gid, items in by_group.items():
+            for i, why in self._check(kind, self._groups[gid], items):
+                bad_jobs.setdefault(items[i][0], why)
+        if bad_jobs:
+            for job_id, why in bad_jobs.items():
+                self._jobs.pop(job_id, None)
+                self._ready.append(Completion(job_id, kind, False, 0, 0.0, why))
+            by_group = {gid: [(j, op) for j, op in items if j not in bad_jobs]
+                        for gid, items in by_group.items()}
+        return by_group
+
+    def _check(self, kind: str, g: _Group, items: list[tuple[int, TransferOp]]
+               ) -> list[tuple[int, str]]:
+        """Indices of bad ops (vectorized): ids out of range, repeated within a chunk, SKIP
+        in a save; slots out of range."""
+        ids = np.array([op.block_ids for _, op in items], dtype=np.int64).reshape(
+            len(items), g.bpc)
+        slots = np.array([op.slot for _, op in items], dtype=np.int64)
+        skip = (ids == SKIP) if kind == "load" else np.zeros(ids.shape, dtype=bool)
+        bad = (((ids < 0) & ~skip) | (ids >= g.num_blocks)).any(axis=1)
+        if g.bpc > 1:
+            srt = np.sort(np.where(skip, -1, ids), axis=1)
+            bad |= ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)
+        n_slots = self._plan.classes[g.slot_class].num_slots
+        bad |= (slots < 0) | (slots >= n_slots)
+        out = []
+        for i in np.flatnonzero(bad).tolist():
+            op = items[i][1]
+            out.append((i, f"CodecError: bad chunk for group {g.gid}: block ids "
+                           f"{list(op.block_ids)} (distinct, in [0, {g.num_blocks})"
+                           f"{' or SKIP' if kind == 'load' else ''}), slot {op.slot} "
+                           f"(in [0, {n_slots}))"))
+        return out
+
+    def _slot_addrs(self, g: _Group, slots: np.ndarray) -> np.ndarray:
+        c = self._plan.classes[g.slot_class]
+        base = self._slab_base + self.mover.shard * self._plan.shard_bytes + c.offset
+        return (base + slots * c.stride).astype(np.int64)
+
+    # -- enqueueing -------------------------------------------------------------------------
+    def _submit(self, kind: str, jobs: list[Job], after: Any) -> None:
+        by_group = self._accept(kind, jobs)
+        for gid, items in by_group.items():
+            if not items:
+                continue
+            g = self._groups[gid]
+            ids = np.array([op.block_ids for _, op in items], dtype=np.int64).reshape(
+                len(items), g.bpc)
+            slots = self._slot_addrs(g, np.array([op.slot for _, op in items], dtype=np.int64))
+            owners = [j for j, _ in items]
+            per = max(1, self.batch_bytes // g.chunk_bytes)
+            if g.path == "kernel":
+                per = min(per, max(1, self._stage_ring[kind].size // 2 // g.chunk_bytes))
+            for a in range(0, len(items), per):
+                self._batch(kind, g, ids[a:a + per], slots[a:a + per],
+                            list(dict.fromkeys(owners[a:a + per])), after)
+        for job in jobs:  # accepted jobs with no ops: nothing to move
+            st = self._jobs.get(job.job_id)
+            if st is not None and st.remaining == 0 and not job.ops:
+                del self._jobs[job.job_id]
+                self._ready.append(Completion(job.job_id, kind, True, 0, 0.0))
+
+    def _batch(self, kind: str, g: _Group, ids: np.ndarray, slots: np.ndarray,
+               job_ids: list[int], after: Any) -> None:
+        rt = self.rt
+        start, done = rt.event(timing=True), rt.event(timing=True)
+        read: Any = None
+        error = ""
+        copy = self.save_copy if kind == "save" else self.load_copy
+        kern = self.save_kernel if kind == "save" else self.load_kernel
+        try:
+            if g.path == "dma":
+                copy.wait_event(after)
+                start.record(copy)
+                rt.copy(merge_adjacent(piece_descriptors(g.table, ids, slots, kind == "save")),
+                        copy)
+                done.record(copy)
+                read = done
+            elif kind == "save":
+                read = self._save_staged(g, ids, slots, after, start, done)
+            else:
+                self._load_staged(g, ids, slots, after, start, done)
+        except Exception as e:  # enqueued work of this batch completes before the report
+            error = f"{type(e).__name__}: {e}"
+            try:
+                copy.wait_stream(kern)
+                done.record(copy)
+            except Exception:  # the context is gone: nothing of it can still be running
+                done = None
+            read = done
+        for job_id in job_ids:
+            st = self._jobs[job_id]
+            st.remaining += 1
+            if st.start is None:
+                st.start = start
+            if kind == "save" and read is not None:
+                st.read_events.append(read)
+        self._inflight.append(_Batch(kind, job_ids, done, error))
+
+    def _save_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
+                     start: Any, done: Any) -> Any:
+        rt = self.rt
+        n = len(slots) * g.chunk_bytes
+        ring = self._stage_ring["save"]
+        off, waits = ring.take(n)
+        kern, copy = self.save_kernel, self.save_copy
+        read = rt.event()
+        with rt.use(kern):
+            kern.wait_event(after)
+            for ev in waits:
+                kern.wait_event(ev)
+            start.record(kern)
+            dev_ids = self._ids["save"](ids)
+            g.tiles.launch(self.stage, self._stage_base["save"] + off, dev_ids, True,
+                           self.max_programs, self.num_warps)
+            read.record(kern)
+        copy.wait_event(read)
+        stage_addr = self.stage.data_ptr() + self._stage_base["save"] + off
+        rt.copy(merge_adjacent(chunk_descriptors(stage_addr, g.chunk_bytes, slots, True)), copy)
+        done.record(copy)
+        ring.give(off, n, done)
+        return read
+
+    def _load_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
+                     start: Any, done: Any) -> None:
+        rt = self.rt
+        n = len(slots) * g.chunk_bytes
+        ring = self._stage_ring["load"]
+        off, waits = ring.take(n)
+        kern, copy = self.load_kernel, self.load_copy
+        copy.wait_event(after)
+        for ev in waits:
+            copy.wait_event(ev)
+        start.record(copy)
+        stage_addr = self.stage.data_ptr() + self._stage_base["load"] + off
+        rt.copy(merge_adjacent(chunk_descriptors(stage_addr, g.chunk_bytes, slots, False)),
+                copy)
+        landed = rt.event()
+        landed.record(copy)
+        with rt.use(kern):
+            kern.wait_event(landed)
+            dev_ids = self._ids["load"](ids)
+            g.tiles.launch(self.stage, self._stage_base["load"] + off, dev_ids, False,
+                           self.max_programs, self.num_warps)
+            done.record(kern)
+        ring.give(off, n, done)
