@@ -7,6 +7,7 @@ so checks can reach the scheduler half, the worker half and vLLM's own tensors d
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -52,10 +53,30 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+def shutdown(llm: Any) -> None:
+    """Stop an in-process engine and drop vLLM's process-global connector, so that the next
+    engine in this process gets connectors of its own."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
+    gc.collect()
+
+
 @pytest.fixture(scope="module")
 def shutdown_after() -> Iterator[list[Any]]:
+    """Engines a module shares; stopped when the module ends."""
     engines: list[Any] = []
     yield engines
     for llm in engines:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
+
+
+@pytest.fixture
+def shutdown_now() -> Iterator[list[Any]]:
+    """Engines of one test; stopped when the test ends."""
+    engines: list[Any] = []
+    yield engines
+    for llm in engines:
+        shutdown(llm)

@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 import pytest
-from tests.e2e.conftest import greedy, make_llm, prompt
 
 from kvtier.testing.restore import generate, handles, restore_check, settle, sharpen_dummy_weights
+from tests.e2e.conftest import greedy, make_llm, prompt
 
 pytestmark = pytest.mark.e2e
 

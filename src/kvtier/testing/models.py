@@ -30,3 +30,35 @@ def tiny_llama(path: str, layers: int = 2, hidden: int = 256, vocab: int = 1024,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32",
         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
     })
+
+
+def tiny_deepseek_v2(path: str, layers: int = 2) -> str:
+    """DeepSeek-V2-Lite-shaped MLA model (kv_lora_rank 512 + rope 64 = 576-wide latent rows),
+    2 layers, the second a small MoE."""
+    return _write(path, {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": layers,
+        "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 4,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
+        "rope_theta": 10000.0, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False, "attention_bias": False,
+    })
+
+
+def tiny_gemma2(path: str, layers: int = 4, window: int = 128) -> str:
+    """Gemma-2-style model: layers alternate sliding-window (even) and full attention (odd),
+    which vLLM serves as two KV-cache groups."""
+    return _write(path, {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_hidden_layers": layers, "vocab_size": 1024,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "sliding_window": window,
+        "query_pre_attn_scalar": 64, "attn_logit_softcapping": None,
+        "final_logit_softcapping": None, "torch_dtype": "float32", "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0,
+    })

@@ -78,3 +78,23 @@ class ProbeConnector(KvtierConnector):
                 torch.empty(0, dtype=torch.uint8, device=t.device).set_(st).fill_(byte)
                 n += st.nbytes()
         return n
+
+
+def fill_worker_kv_caches(worker: Any, byte: int = 0x47) -> int:
+    """For ``LLM.collective_rpc``: overwrite every KV cache byte of this worker (through the
+    model runner's own tensors) after kvtier's in-flight transfers finished."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    if getattr(connector, "_worker", None) is not None:
+        connector._worker.drain()
+    seen: set[int] = set()
+    n = 0
+    for t in worker.model_runner.kv_caches:
+        for part in ([t] if isinstance(t, torch.Tensor) else list(t)):
+            st = part.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                torch.empty(0, dtype=torch.uint8, device=part.device).set_(st).fill_(byte)
+                n += st.nbytes()
+    return n
