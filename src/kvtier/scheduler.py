@@ -76,6 +76,7 @@ class _JobState:
     tokens: int = 0  # loads: tokens restored when it succeeds
     ok: int = 0
     failed: int = 0
+    state: RequestState | None = None  # the lifecycle it belongs to (ids can be reused)
     step: int = 0  # the step whose plan carried it
 
 
@@ -141,11 +142,12 @@ class OffloadScheduler:
         self.requests: dict[str, RequestState] = {}
         self.jobs: dict[int, _JobState] = {}
         self._job_ids = itertools.count(1)
-        self._block_jobs: dict[tuple[int, int], set[int]] = {}
+        # per group: block id -> save jobs still reading it (fencing)
+        self._block_jobs: list[dict[int, set[int]]] = [{} for _ in geometry.groups]
         self._step = 0
         self._step_loads: list[Job] = []
         self._step_saves: list[Job] = []
-        self._step_allocated: set[tuple[int, int]] = set()
+        self._step_allocated: list[set[int]] = [set() for _ in geometry.groups]
         self._step_preempted: set[str] = set()
         self._reset_pending = False
         self._pending_save_chunks = 0
@@ -157,6 +159,10 @@ class OffloadScheduler:
     def add_request(
         self, req_id: str, cache_salt: str | None = None, extra_keys: ExtraKeysFn | None = None
     ) -> RequestState:
+        old = self.requests.get(req_id)
+        if old is not None:  # the id is reused: the old lifecycle ends, its jobs finish on it
+            old.finished = True
+            old.pending_hit = None
         keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
         self.requests[req_id] = st
@@ -233,6 +239,7 @@ class OffloadScheduler:
         self._pending_load_chunks += n_chunks
         self._pinned_chunks += len(entries)
         st.load_job = job.job_id
+        self.jobs[job.job_id].state = st
         self._step_loads.append(job)
         self.stats.loads_started += 1
         self.stats.hits += 1
@@ -244,12 +251,14 @@ class OffloadScheduler:
         if gg.kind is GroupKind.STATE:
             return [self._state_block(st, g, (chunk + 1) * self.geometry.chunk_tokens)]
         bpc = self.geometry.blocks_per_chunk(g)
+        first = chunk * bpc
+        ids = st.block_ids[g][first:first + bpc]
         first_needed = hbm_tokens // gg.block_size  # blocks below are the HBM hit: shared
-        out = []
-        for i in range(chunk * bpc, (chunk + 1) * bpc):
-            bid = st.block_ids[g][i] if i < len(st.block_ids[g]) else NULL_BLOCK
-            out.append(SKIP if i < first_needed or bid == NULL_BLOCK else bid)
-        return out
+        if len(ids) == bpc and first >= first_needed and NULL_BLOCK not in ids:
+            return ids
+        ids += [NULL_BLOCK] * (bpc - len(ids))
+        return [SKIP if first + i < first_needed or b == NULL_BLOCK else b
+                for i, b in enumerate(ids)]
 
     def _state_block(self, st: RequestState, g: int, boundary_tokens: int) -> int:
         """The block of a state group holding the state after ``boundary_tokens`` tokens."""
@@ -267,17 +276,19 @@ class OffloadScheduler:
         for g, ids in enumerate(new_block_ids):
             if g < len(st.block_ids):
                 st.block_ids[g].extend(ids)
-                self._step_allocated.update((g, b) for b in ids if b != NULL_BLOCK)
+                self._step_allocated[g].update(ids)
 
     def _set_blocks(self, st: RequestState, block_ids: Sequence[Sequence[int]]) -> None:
         st.block_ids = [list(ids) for ids in block_ids]
         for g, ids in enumerate(block_ids):
-            self._step_allocated.update((g, b) for b in ids if b != NULL_BLOCK)
+            if g < len(self._step_allocated):
+                self._step_allocated[g].update(ids)
 
     def note_allocated(self, block_ids: Sequence[Sequence[int]]) -> None:
         """Blocks handed out this step that no request table shows (e.g. copy targets)."""
         for g, ids in enumerate(block_ids):
-            self._step_allocated.update((g, b) for b in ids if b != NULL_BLOCK)
+            if g < len(self._step_allocated):
+                self._step_allocated[g].update(ids)
 
     def on_preempted(self, req_id: str) -> None:
         st = self.requests.get(req_id)
@@ -360,9 +371,10 @@ class OffloadScheduler:
         job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
         blocks = [(op.group, b) for op in ops for b in op.block_ids]
         self.jobs[job.job_id] = _JobState(job, "save", entries, blocks, 1)
-        for gb in blocks:
-            self._block_jobs.setdefault(gb, set()).add(job.job_id)
+        for g, b in blocks:
+            self._block_jobs[g].setdefault(b, set()).add(job.job_id)
         st.save_jobs.add(job.job_id)
+        self.jobs[job.job_id].state = st
         self._pending_save_chunks += 1
         self._step_saves.append(job)
         self.stats.saves_planned += 1
@@ -372,9 +384,11 @@ class OffloadScheduler:
     # -- the step ---------------------------------------------------------------------------
     def build_step(self) -> StepPlan:
         fence: set[int] = set()
-        if self._block_jobs:
-            for gb in self._step_allocated:
-                fence.update(self._block_jobs.get(gb, ()))
+        for reading, allocated in zip(self._block_jobs, self._step_allocated):
+            if reading and allocated:
+                for b in allocated.intersection(reading):
+                    if b != NULL_BLOCK:
+                        fence.update(reading[b])
         for req_id in self._step_preempted:
             st = self.requests.get(req_id)
             if st is not None:
@@ -392,7 +406,7 @@ class OffloadScheduler:
         plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
                         self._reset_pending)
         self._step_loads, self._step_saves = [], []
-        self._step_allocated = set()
+        self._step_allocated = [set() for _ in self.geometry.groups]
         self._step_preempted = set()
         self._reset_pending = False
         return plan
@@ -418,15 +432,15 @@ class OffloadScheduler:
     def _finish(self, js: _JobState) -> None:
         del self.jobs[js.job.job_id]
         self.stats.max_job_steps = max(self.stats.max_job_steps, self._step - js.step)
-        st = self.requests.get(js.job.req_id)
+        st = js.state
         if js.kind == "save":
             self._pending_save_chunks -= 1
-            for gb in js.blocks:
-                jobs = self._block_jobs.get(gb)
+            for g, b in js.blocks:
+                jobs = self._block_jobs[g].get(b)
                 if jobs is not None:
                     jobs.discard(js.job.job_id)
                     if not jobs:
-                        del self._block_jobs[gb]
+                        del self._block_jobs[g][b]
             for e in js.entries:
                 if js.failed:
                     self.index.abort(e)
@@ -451,7 +465,8 @@ class OffloadScheduler:
                 st.load_job = None
                 if js.failed:
                     st.load_failed = True
-        if st is not None and st.finished and not st.save_jobs and st.load_job is None:
+        if (st is not None and st.finished and not st.save_jobs and st.load_job is None
+                and self.requests.get(st.req_id) is st):
             del self.requests[st.req_id]
 
     def request_finished(self, req_id: str) -> None:
@@ -490,7 +505,7 @@ class OffloadScheduler:
     def check_drained(self) -> None:
         """Raise AssertionError unless no job, pin or request state is left (tests, soaks)."""
         assert not self.jobs, f"jobs left: {sorted(self.jobs)}"
-        assert not self._block_jobs, "block->job registrations left"
+        assert not any(self._block_jobs), "block->job registrations left"
         assert self._pending_save_chunks == 0 and self._pending_load_chunks == 0
         assert self._pinned_chunks == 0 and self.index.stats().pinned == 0
         assert not self.requests, f"request state left: {sorted(self.requests)}"

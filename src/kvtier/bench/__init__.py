@@ -15,6 +15,7 @@ from __future__ import annotations
 
 BENCHES: dict[str, str] = {
     "serving": "kvtier.bench.serving",
+    "planner": "kvtier.bench.planner",
 }
 
 DEFAULT = "serving"
