@@ -16,6 +16,7 @@ from __future__ import annotations
 BENCHES: dict[str, str] = {
     "serving": "kvtier.bench.serving",
     "planner": "kvtier.bench.planner",
+    "transfer": "kvtier.bench.transfer",
 }
 
 DEFAULT = "serving"

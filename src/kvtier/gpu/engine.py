@@ -169,23 +169,33 @@ class _Group:
         return self.table.chunk_bytes
 
 
-@dataclass
+@dataclass(slots=True)
 class _JobState:
     kind: str
     nbytes: int
     remaining: int = 0
     error: str = ""
     read_events: list[Any] = field(default_factory=list)
-    start: Any = None
-    t0: float = 0.0
+    seconds: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     kind: str
     job_ids: list[int]
     done: Any  # None: the context is gone, nothing of the batch can still run
+    start: Any
+    t0: float
     error: str = ""
+
+
+@dataclass
+class _GroupWork:
+    """The accepted ops of one group in one submission, as arrays."""
+
+    ids: np.ndarray  # (n, bpc) int64
+    slots: np.ndarray  # (n,) int64 slot numbers
+    owners: list[int]  # job id of each op
 
 
 class _Ring:
@@ -255,7 +265,7 @@ class CudaTransferEngine(TransferEngine):
 
     def __init__(self, mover: ChunkMover, config: KvtierConfig, fault: FaultHook | None = None,
                  *, mode: str = "auto", dma_min_piece: int = DMA_MIN_PIECE,
-                 batch_bytes: int = BATCH_BYTES, max_programs: int = 128, num_warps: int = 4,
+                 batch_bytes: int = BATCH_BYTES, max_programs: int = 256, num_warps: int = 4,
                  runtime: Runtime | None = None) -> None:
         if mode not in ("auto", "dma", "kernel"):
             raise ValueError(f"unknown transfer mode {mode!r} (auto, dma or kernel)")
@@ -290,6 +300,7 @@ class CudaTransferEngine(TransferEngine):
         slab = mover.slab
         self._slab_base = slab.buffer.data_ptr()
         self._plan = slab.plan
+        self._chunk_bytes = {g.gid: g.chunk_bytes for g in self._groups}
         self._queued: list[Job] = []
         self._queued_bytes = 0
         self._queued_after: Any = None
@@ -333,9 +344,9 @@ class CudaTransferEngine(TransferEngine):
             self._queued_after = self.rt.event()
             self._queued_after.record(self.rt.current())
         self._queued.append(job)
-        n = len(self._groups)
-        self._queued_bytes += sum(self._groups[op.group].chunk_bytes for op in job.ops
-                                  if 0 <= op.group < n)
+        cb = self._chunk_bytes
+        for op in job.ops:
+            self._queued_bytes += cb.get(op.group, 0)
         if self._queued_bytes >= self.batch_bytes:
             self._flush()
 
@@ -377,8 +388,23 @@ class CudaTransferEngine(TransferEngine):
                     continue
             except RuntimeError as e:  # a CUDA error: nothing of this batch runs any more
                 err = err or f"{type(e).__name__}: {e}"
+            secs = time.perf_counter() - b.t0
+            if not err and b.done is not None:
+                with contextlib.suppress(RuntimeError):
+                    secs = b.start.elapsed_time(b.done) / 1e3
+            jobs = self._jobs
             for job_id in b.job_ids:
-                self._finish_part(job_id, b, err, out)
+                st = jobs.get(job_id)
+                if st is None:
+                    continue
+                if err and not st.error:
+                    st.error = err
+                st.seconds = max(st.seconds, secs)
+                st.remaining -= 1
+                if st.remaining <= 0:
+                    del jobs[job_id]
+                    out.append(Completion(job_id, st.kind, not st.error,
+                                          0 if st.error else st.nbytes, st.seconds, st.error))
         self._inflight = still
         return out
 
@@ -400,23 +426,6 @@ class CudaTransferEngine(TransferEngine):
         self._jobs.clear()
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def _finish_part(self, job_id: int, b: _Batch, err: str, out: list[Completion]) -> None:
-        st = self._jobs.get(job_id)
-        if st is None:
-            return
-        if err and not st.error:
-            st.error = err
-        st.remaining -= 1
-        if st.remaining > 0:
-            return
-        del self._jobs[job_id]
-        secs = time.perf_counter() - st.t0
-        if not st.error and st.start is not None and b.done is not None:
-            with contextlib.suppress(RuntimeError):
-                secs = st.start.elapsed_time(b.done) / 1e3
-        out.append(Completion(job_id, st.kind, not st.error, 0 if st.error else st.nbytes,
-                              secs, st.error))
-
     def _fail_now(self, kind: str, job: Job, error: str) -> None:
         self._jobs.pop(job.job_id, None)
         self._ready.append(Completion(job.job_id, kind, False, 0, 0.0, error))
@@ -429,55 +438,73 @@ class CudaTransferEngine(TransferEngine):
         after, self._queued_after = self._queued_after, None
         self._submit("save", jobs, after)
 
-    # -- validation -------------------------------------------------------------------------
-    def _accept(self, kind: str, jobs: list[Job]) -> dict[int, list[tuple[int, TransferOp]]]:
-        """The ops of the jobs that pass every check, by group. A job with any bad op fails
-        as a whole, before anything of it is enqueued."""
-        by_group: dict[int, list[tuple[int, TransferOp]]] = {}
+    # -- validation and enqueueing ----------------------------------------------------------
+    def _accept(self, kind: str, jobs: list[Job]) -> dict[int, _GroupWork]:
+        """The ops of the jobs that pass every check, by group, as arrays. A job with any bad
+        op fails as a whole, before anything of it is enqueued."""
+        ids: dict[int, list[Sequence[int]]] = {}
+        slots: dict[int, list[int]] = {}
+        owners: dict[int, list[int]] = {}
+        groups, states, load = self._groups, self._jobs, kind == "load"
         for job in jobs:
-            if job.job_id in self._jobs:  # a caller bug; its one report is the first's
+            job_id = job.job_id
+            if job_id in states:  # a caller bug; its one report is the first's
                 logger.warning("kvtier: %s job %d submitted again while in flight; ignored",
-                               kind, job.job_id)
+                               kind, job_id)
                 continue
+            nbytes = 0
             try:
-                nbytes = 0
                 for op in job.ops:
                     if self.fault is not None:
                         self.fault(kind, job, op)
-                    if not 0 <= op.group < len(self._groups):
+                    if not 0 <= op.group < len(groups):
                         raise ValueError(f"no KV-cache group {op.group}")
-                    g = self._groups[op.group]
+                    g = groups[op.group]
                     if len(op.block_ids) != g.bpc:
                         raise ValueError(f"{len(op.block_ids)} block ids for a {g.bpc}-block "
                                          f"chunk of group {g.gid}")
-                    per_block = g.chunk_bytes // g.bpc
-                    nbytes += g.chunk_bytes if kind == "save" else per_block * sum(
-                        1 for b in op.block_ids if b != SKIP)
+                    if load:
+                        nbytes += g.chunk_bytes // g.bpc * (g.bpc - list(op.block_ids).count(SKIP))
+                    else:
+                        nbytes += g.chunk_bytes
             except Exception as e:  # a failed job, reported like any other
                 self._fail_now(kind, job, f"{type(e).__name__}: {e}")
                 continue
-            self._jobs[job.job_id] = _JobState(kind, nbytes, t0=time.perf_counter())
+            states[job_id] = _JobState(kind, nbytes)
+            if not job.ops:  # nothing to move
+                del states[job_id]
+                self._ready.append(Completion(job_id, kind, True, 0, 0.0))
+                continue
             for op in job.ops:
-                by_group.setdefault(op.group, []).append((job.job_id, op))
-        bad_jobs: dict[int, str] = {}
-        for gid, items in by_group.items():
-            for i, why in self._check(kind, self._groups[gid], items):
-                bad_jobs.setdefault(items[i][0], why)
-        if bad_jobs:
-            for job_id, why in bad_jobs.items():
-                self._jobs.pop(job_id, None)
+                gid = op.group
+                if gid not in ids:
+                    ids[gid], slots[gid], owners[gid] = [], [], []
+                ids[gid].append(op.block_ids)
+                slots[gid].append(op.slot)
+                owners[gid].append(job_id)
+        work: dict[int, _GroupWork] = {}
+        bad: dict[int, str] = {}
+        for gid in ids:
+            g = groups[gid]
+            w = _GroupWork(np.array(ids[gid], dtype=np.int64).reshape(-1, g.bpc),
+                           np.array(slots[gid], dtype=np.int64), owners[gid])
+            for i, why in self._check(kind, g, w):
+                bad.setdefault(w.owners[i], why)
+            work[gid] = w
+        if bad:
+            for job_id, why in bad.items():
+                states.pop(job_id, None)
                 self._ready.append(Completion(job_id, kind, False, 0, 0.0, why))
-            by_group = {gid: [(j, op) for j, op in items if j not in bad_jobs]
-                        for gid, items in by_group.items()}
-        return by_group
+            for w in work.values():
+                keep = np.array([o not in bad for o in w.owners], dtype=bool)
+                w.ids, w.slots = w.ids[keep], w.slots[keep]
+                w.owners = [o for o in w.owners if o not in bad]
+        return work
 
-    def _check(self, kind: str, g: _Group, items: list[tuple[int, TransferOp]]
-               ) -> list[tuple[int, str]]:
+    def _check(self, kind: str, g: _Group, w: _GroupWork) -> list[tuple[int, str]]:
         """Indices of bad ops (vectorized): ids out of range, repeated within a chunk, SKIP
         in a save; slots out of range."""
-        ids = np.array([op.block_ids for _, op in items], dtype=np.int64).reshape(
-            len(items), g.bpc)
-        slots = np.array([op.slot for _, op in items], dtype=np.int64)
+        ids, slots = w.ids, w.slots
         skip = (ids == SKIP) if kind == "load" else np.zeros(ids.shape, dtype=bool)
         bad = (((ids < 0) & ~skip) | (ids >= g.num_blocks)).any(axis=1)
         if g.bpc > 1:
@@ -485,46 +512,33 @@ class CudaTransferEngine(TransferEngine):
             bad |= ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)
         n_slots = self._plan.classes[g.slot_class].num_slots
         bad |= (slots < 0) | (slots >= n_slots)
-        out = []
-        for i in np.flatnonzero(bad).tolist():
-            op = items[i][1]
-            out.append((i, f"CodecError: bad chunk for group {g.gid}: block ids "
-                           f"{list(op.block_ids)} (distinct, in [0, {g.num_blocks})"
-                           f"{' or SKIP' if kind == 'load' else ''}), slot {op.slot} "
-                           f"(in [0, {n_slots}))"))
-        return out
+        return [(i, f"CodecError: bad chunk for group {g.gid}: block ids "
+                    f"{ids[i].tolist()} (distinct, in [0, {g.num_blocks})"
+                    f"{' or SKIP' if kind == 'load' else ''}), slot {int(slots[i])} "
+                    f"(in [0, {n_slots}))") for i in np.flatnonzero(bad).tolist()]
 
     def _slot_addrs(self, g: _Group, slots: np.ndarray) -> np.ndarray:
         c = self._plan.classes[g.slot_class]
         base = self._slab_base + self.mover.shard * self._plan.shard_bytes + c.offset
         return (base + slots * c.stride).astype(np.int64)
 
-    # -- enqueueing -------------------------------------------------------------------------
     def _submit(self, kind: str, jobs: list[Job], after: Any) -> None:
-        by_group = self._accept(kind, jobs)
-        for gid, items in by_group.items():
-            if not items:
+        for gid, w in self._accept(kind, jobs).items():
+            if not w.owners:
                 continue
             g = self._groups[gid]
-            ids = np.array([op.block_ids for _, op in items], dtype=np.int64).reshape(
-                len(items), g.bpc)
-            slots = self._slot_addrs(g, np.array([op.slot for _, op in items], dtype=np.int64))
-            owners = [j for j, _ in items]
+            addrs = self._slot_addrs(g, w.slots)
             per = max(1, self.batch_bytes // g.chunk_bytes)
             if g.path == "kernel":
                 per = min(per, max(1, self._stage_ring[kind].size // 2 // g.chunk_bytes))
-            for a in range(0, len(items), per):
-                self._batch(kind, g, ids[a:a + per], slots[a:a + per],
-                            list(dict.fromkeys(owners[a:a + per])), after)
-        for job in jobs:  # accepted jobs with no ops: nothing to move
-            st = self._jobs.get(job.job_id)
-            if st is not None and st.remaining == 0 and not job.ops:
-                del self._jobs[job.job_id]
-                self._ready.append(Completion(job.job_id, kind, True, 0, 0.0))
+            for a in range(0, len(w.owners), per):
+                self._batch(kind, g, w.ids[a:a + per], addrs[a:a + per],
+                            list(dict.fromkeys(w.owners[a:a + per])), after)
 
     def _batch(self, kind: str, g: _Group, ids: np.ndarray, slots: np.ndarray,
                job_ids: list[int], after: Any) -> None:
         rt = self.rt
+        t0 = time.perf_counter()
         start, done = rt.event(timing=True), rt.event(timing=True)
         read: Any = None
         error = ""
@@ -550,14 +564,13 @@ class CudaTransferEngine(TransferEngine):
             except Exception:  # the context is gone: nothing of it can still be running
                 done = None
             read = done
+        jobs = self._jobs
         for job_id in job_ids:
-            st = self._jobs[job_id]
+            st = jobs[job_id]
             st.remaining += 1
-            if st.start is None:
-                st.start = start
-            if kind == "save" and read is not None:
+            if read is not None and kind == "save":
                 st.read_events.append(read)
-        self._inflight.append(_Batch(kind, job_ids, done, error))
+        self._inflight.append(_Batch(kind, job_ids, done, start, t0, error))
 
     def _save_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
                      start: Any, done: Any) -> Any:
