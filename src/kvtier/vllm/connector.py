@@ -139,7 +139,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Any, **kwargs: Any) -> None:
         self._requests[request.request_id] = request
         if self._sched is not None:
-            self._ensure_request(request)
+            # always a new lifecycle: vLLM may reuse the id of a finished request whose saves
+            # are still in flight, and that request's keys are not this one's
+            self._sched.add_request(request.request_id, getattr(request, "cache_salt", None),
+                                    self._extra_keys_fn(request))
 
     def _ensure_request(self, request: Any) -> None:
         assert self._sched is not None
@@ -198,6 +201,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if sched is None or self.groups is None:
             return KvtierMetadata(StepPlan(), geometry_known=False)
         groups = self.groups
+        # Preemptions first: a request preempted since the last step (reset_prefix_cache with
+        # reset_running_requests preempts between steps) may be resumed in this very step,
+        # and its resumed block table must not be wiped after it was set.
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            sched.on_preempted(req_id)
         for nr in scheduler_output.scheduled_new_reqs:
             if nr.req_id in self._requests:
                 self._ensure_request(self._requests[nr.req_id])
@@ -210,8 +218,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
             if new_ids is not None:
                 sched.on_blocks(req_id, groups.to_kvtier(new_ids), replace=is_resumed)
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            sched.on_preempted(req_id)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             dst = getattr(copy, "dst_block_id", None)
             if dst is not None:

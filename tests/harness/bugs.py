@@ -1,0 +1,213 @@
+"""Planted bugs and reverted fixes: the harness must catch every one of them.
+
+Each is a context manager that patches kvtier (classes, not instances) for the scenarios run
+inside it, and says which oracle findings count as catching it. ``PLANTED`` are the six bugs
+the issue names; ``REVERTS`` put back behaviour kvtier had before a bug the harness found was
+fixed (the regression tests run them to show the harness still sees those bugs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.index.memory import MemoryIndex
+from kvtier.scheduler import OffloadScheduler, RequestState
+from kvtier.transfer import ChunkMover, Completion
+from kvtier.vllm.connector import KvtierConnector
+from kvtier.worker import OffloadWorker, StepResult
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    description: str
+    detected_by: frozenset[str]  # oracle finding kinds that count as catching it
+    fault_kinds: frozenset[str]  # faults the scenarios for it switch on
+    patch: Callable[[], contextlib.AbstractContextManager[None]]
+    world_size: int | None = None  # the bug needs this many ranks
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = obj.__dict__[name]
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+# -- (1) no fence in handle_preemptions -------------------------------------------------------
+def no_fence() -> contextlib.AbstractContextManager[None]:
+    def handle_preemptions(self: KvtierConnector, kv_connector_metadata: Any = None,
+                           **kwargs: Any) -> None:
+        plan, _ = self._plan(kv_connector_metadata)
+        if self._worker is not None and plan is not None:
+            self._fenced_step = plan.step  # claims the step was fenced, fences nothing
+
+    return _patched(KvtierConnector, "handle_preemptions", handle_preemptions)
+
+
+# -- (2) a duplicated finished_recving --------------------------------------------------------
+def duplicate_recving() -> contextlib.AbstractContextManager[None]:
+    original = KvtierConnector._collect
+
+    def _collect(self: KvtierConnector) -> StepResult:
+        res = original(self)
+        again = getattr(self, "_bug_again", set())
+        self._bug_again = set(res.finished_loads)  # type: ignore[attr-defined]
+        res.finished_loads |= again  # last step's loads are reported once more
+        return res
+
+    return _patched(KvtierConnector, "_collect", _collect)
+
+
+# -- (3) a chunk made visible before all ranks report -----------------------------------------
+def early_visibility() -> contextlib.AbstractContextManager[None]:
+    original = OffloadScheduler.on_report
+
+    def on_report(self: OffloadScheduler, report: Any) -> None:
+        for job_id, (ok, _failed) in report.saves.items():
+            js = self.jobs.get(job_id)
+            if js is not None and ok and js.entries and not js.ok:
+                for e in js.entries:  # the first rank's "written" makes it visible
+                    self.index.commit(e)
+                js.entries = []
+        original(self, report)
+
+    return _patched(OffloadScheduler, "on_report", on_report)
+
+
+# -- (4) a pinned chunk evicted ---------------------------------------------------------------
+def evict_pinned() -> contextlib.AbstractContextManager[None]:
+    def _evictable(self: MemoryIndex, group: int, key: object) -> bool:
+        e = self._entries[group].get(key)  # type: ignore[arg-type]
+        if e is None or not e.ready:
+            return False  # pins ignored
+        return not (self.groups[group].chained and e.children)
+
+    return _patched(MemoryIndex, "_evictable", _evictable)
+
+
+# -- (5) a failure reported without failed_recving --------------------------------------------
+def hide_failures() -> contextlib.AbstractContextManager[None]:
+    original = OffloadWorker._account
+
+    def _account(self: OffloadWorker, c: Completion, out: StepResult) -> None:
+        original(self, c, out)
+        out.failed_loads.clear()  # finished_recving only: vLLM takes it as loaded
+        out.failed_blocks.clear()
+
+    return _patched(OffloadWorker, "_account", _account)
+
+
+# -- (6) a load that copies slot s+1 into the blocks of slot s --------------------------------
+def off_by_one_slot() -> contextlib.AbstractContextManager[None]:
+    original = ChunkMover.load_op
+
+    def load_op(self: ChunkMover, op: Any) -> int:
+        n = self.slab.plan.classes[self.slot_class[op.group]].num_slots
+        shifted = type(op)(op.group, (op.slot + 1) % n, op.block_ids)
+        return original(self, shifted)
+
+    return _patched(ChunkMover, "load_op", load_op)
+
+
+_LOADS = frozenset({"exec_delay", "reorder"})
+
+PLANTED: dict[str, Bug] = {b.name: b for b in (
+    Bug("no_fence", "handle_preemptions does not fence saves whose blocks are reallocated",
+        frozenset({"block_reused_during_save", "load_wrong_bytes", "wrong_kv_read"}),
+        frozenset({"exec_delay"}), no_fence),
+    Bug("duplicate_recving", "every finished_recving is reported again the next step",
+        frozenset({"duplicate_report", "stray_report"}), _LOADS, duplicate_recving),
+    Bug("early_visibility", "a chunk is committed when the first rank reports it written",
+        frozenset({"load_before_all_ranks_wrote", "load_wrong_bytes", "wrong_kv_read"}),
+        frozenset({"late_rank", "exec_delay"}), early_visibility, world_size=2),
+    Bug("evict_pinned", "eviction ignores the pins of loads in flight",
+        frozenset({"slot_overwritten_during_load", "load_wrong_bytes", "wrong_kv_read"}),
+        frozenset({"slab_full", "exec_delay"}), evict_pinned),
+    Bug("hide_failures", "a failed load is reported in finished_recving only",
+        frozenset({"failure_hidden", "wrong_kv_read"}),
+        frozenset({"load_fail", "load_partial"}), hide_failures),
+    Bug("off_by_one_slot", "a load copies slot s+1 into the blocks of slot s",
+        frozenset({"load_wrong_bytes", "wrong_kv_read"}), frozenset({"reorder"}),
+        off_by_one_slot),
+)}
+
+
+# -- reverted fixes (bugs the harness found in kvtier) ----------------------------------------
+def revert_recycled_id() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, a request whose id was still known to kvtier (a finished request with
+    saves in flight) reused that request's state: its keys, so its loads."""
+
+    def on_new_request(self: KvtierConnector, request: Any, **kwargs: Any) -> None:
+        self._requests[request.request_id] = request
+        if self._sched is not None:
+            self._ensure_request(request)
+
+    return _patched(KvtierConnector, "on_new_request", on_new_request)
+
+
+def revert_preempt_order() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, build_connector_meta applied ``preempted_req_ids`` after the step's
+    block updates, wiping the table of a request resumed in that same step."""
+    original = KvtierConnector.build_connector_meta
+
+    def build_connector_meta(self: KvtierConnector, scheduler_output: Any, **kwargs: Any) -> Any:
+        sched = self._sched
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        if sched is None or not preempted:
+            return original(self, scheduler_output, **kwargs)
+        scheduler_output.preempted_req_ids = set()
+        build_step = sched.build_step
+
+        def late_build_step() -> Any:
+            for req_id in preempted:
+                sched.on_preempted(req_id)
+            return build_step()
+
+        sched.build_step = late_build_step  # type: ignore[method-assign]
+        try:
+            return original(self, scheduler_output, **kwargs)
+        finally:
+            del sched.build_step
+            scheduler_output.preempted_req_ids = preempted
+
+    return _patched(KvtierConnector, "build_connector_meta", build_connector_meta)
+
+
+def revert_exactly_once() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, the worker reported every completion its engine delivered (a duplicate
+    notice crashed the scheduler half) and never asked for a lost one (the load hung)."""
+
+    def _take(self: OffloadWorker, c: Completion, out: StepResult) -> None:
+        self._inflight.pop(c.job_id, None)
+        self._account(c, out)
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with _patched(OffloadWorker, "_take", _take), \
+                _patched(OffloadWorker, "collect", _collect_without_query):
+            yield
+
+    return both()
+
+
+def _collect_without_query(self: OffloadWorker) -> StepResult:
+    out = StepResult()
+    rep = out.report
+    for job in self._reported_nowrite:
+        rep.saves[job.job_id] = [1, 0]
+    self._reported_nowrite = []
+    for c in self.engine.poll():
+        self._take(c, out)
+    rep.fences_waited, self._fences_waited = self._fences_waited, 0
+    return out
+
+
+__all__ = ["PLANTED", "Bug", "RequestState", "revert_exactly_once", "revert_preempt_order",
+           "revert_recycled_id"]

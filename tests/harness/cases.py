@@ -1,0 +1,85 @@
+"""Hand-made scenario families for the regression tests: each aims straight at one bug the
+harness found, with a few variants (seeds) so that the copy timings that expose it occur."""
+
+from __future__ import annotations
+
+import random
+
+from .content import FIRST_TOKEN, VOCAB
+from .workload import FaultPlan, ReqSpec, Scenario
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(n)]
+
+
+def _base(seed: int, requests: list[ReqSpec], faults: FaultPlan, **kw: object) -> Scenario:
+    sc = Scenario(
+        seed=seed, async_scheduling=False, world_size=1, num_blocks=48, max_num_seqs=4,
+        max_num_batched_tokens=256, chunk_tokens=32, dram_size=f"{64 * 4096}B",
+        max_pending_saves=256, policy="lru", admission="always", sched_policy="fcfs",
+        requests=requests, resets=[], faults=faults, min_steps=0, max_steps=400,
+    )
+    for k, v in kw.items():
+        setattr(sc, k, v)
+    if sc.world_size > 1 and not kw.get("dram_size"):
+        sc.dram_size = f"{64 * 4096 * sc.world_size}B"
+    return sc
+
+
+def recycled_id(seed: int, async_scheduling: bool = False, world_size: int = 1) -> Scenario:
+    """Request ``x`` finishes while its saves are still in flight (late copies and notices);
+    the HBM prefix cache is dropped; a new request reuses the id ``x`` with another prompt.
+    Its lookup must use its own keys, not those of the finished ``x``."""
+    rng = random.Random(seed)
+    faults = FaultPlan(exec_delay_p=1.0, exec_delay_max=4, notify_delay_p=0.5,
+                       notify_delay_max=3)
+    reqs = []
+    for i in range(3):
+        first = ReqSpec(f"a{i}", f"x{i}", _toks(rng, 32 * rng.randint(3, 5)), 2, arrival=3 * i)
+        again = ReqSpec(f"b{i}", f"x{i}", _toks(rng, 32 * rng.randint(3, 5)), 2,
+                        arrival=3 * i + rng.randint(2, 5), recycles=f"a{i}")
+        reqs += [first, again]
+    resets = [(step, False, False) for step in range(2, 20)]  # keep HBM from answering
+    return _base(seed, reqs, faults, resets=resets, async_scheduling=async_scheduling,
+                 world_size=world_size)
+
+
+def resumed_after_reset(seed: int, async_scheduling: bool = False,
+                        world_size: int = 1) -> Scenario:
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts a long prompt in the middle
+    of its chunked prefill, after some of its chunks were saved; the next step resumes it
+    (listed as preempted *and* resumed) with a short first chunk, because a short request
+    takes most of the token budget. Later the HBM cache is dropped and the long prompt comes
+    back, restored from kvtier: what was saved must be the chunks' own blocks."""
+    rng = random.Random(seed)
+    # late copies: at the reset nothing is stored yet, so the request is resumed, not loaded
+    faults = FaultPlan(exec_delay_p=1.0, exec_delay_max=4)
+    long_prompt = _toks(rng, rng.randint(200, 320))
+    reqs = [
+        ReqSpec("short", "short", _toks(rng, rng.randint(30, 50)), 24, arrival=0),
+        ReqSpec("long", "long", long_prompt, 2, arrival=0),
+        ReqSpec("again", "again", long_prompt + _toks(rng, 8), 2, arrival=40, after="long",
+                gap=2),
+    ]
+    reset_at = rng.randint(2, 4)
+    resets = [(reset_at, True, False)] + [(s, False, False) for s in range(20, 44, 2)]
+    return _base(seed, reqs, faults, resets=resets, max_num_batched_tokens=64, num_blocks=72,
+                 async_scheduling=async_scheduling, world_size=world_size)
+
+
+def lossy_notices(seed: int, kind: str, async_scheduling: bool = False,
+                  world_size: int = 1) -> Scenario:
+    """Saves and loads whose completion notices are duplicated (``kind='duplicate'``) or lost
+    (``kind='drop'``); the HBM cache is dropped now and then so that prompts come back as
+    loads. Every job must be reported exactly once per rank, and no load may hang."""
+    rng = random.Random(seed)
+    faults = FaultPlan(duplicate_p=0.5 if kind == "duplicate" else 0.0,
+                       drop_p=0.4 if kind == "drop" else 0.0,
+                       notify_delay_p=0.3, notify_delay_max=2)
+    prefix = _toks(rng, 96)
+    reqs = [ReqSpec(f"r{i}", f"r{i}", prefix + _toks(rng, rng.randint(1, 40)), 3,
+                    arrival=4 * i) for i in range(8)]
+    resets = [(4 * i + 2, False, False) for i in range(8)]
+    return _base(seed, reqs, faults, resets=resets, async_scheduling=async_scheduling,
+                 world_size=world_size)

@@ -1,0 +1,291 @@
+"""The oracle: what must hold after every step, checked without kvtier's bookkeeping.
+
+It reads vLLM's scheduler state (request statuses, block tables, the block pool), the fake
+caches' bytes and write tags, the transport's ground truth (which copies ran, which failed,
+which slots are being written or read) and the reports that reach vLLM. Checks:
+
+``parked_too_long``
+    every request parked for a load (``WAITING_FOR_REMOTE_KVS``) gets its aggregated
+    ``finished_recving`` within a bound (the transport's worst lateness plus slack);
+``stray_report`` / ``duplicate_report``
+    no rank reports a load vLLM is not waiting for, or reports one twice; nothing stray or
+    duplicate reaches vLLM after aggregation; ``finished_sending`` stays empty;
+``reported_before_copy``
+    a rank reports a load only after every copy of it ran;
+``failure_hidden``
+    a load whose copy failed (all or part) on a rank is reported by that rank as failed
+    (``failed_recving`` on 0.32, its blocks in ``invalid_block_ids`` on 0.25.1);
+``block_reused_during_save``
+    when a save's copy runs, its source blocks were not written since it was submitted;
+``load_before_all_ranks_wrote``
+    a load never reads a slot that a save on any rank is still writing (a chunk is visible
+    only after every rank wrote it);
+``slot_overwritten_during_load`` / ``slot_double_write``
+    a save never writes a slot a load is still reading (a pinned chunk was evicted), nor a
+    slot another save is writing;
+``load_wrong_bytes`` / ``load_into_foreign_block``
+    the bytes a load writes into a block are exactly those the same prefix produces, and the
+    block belongs to the parked request;
+``wrong_kv_read``
+    every position a forward reads holds its own prefix's bytes (HBM prefix-cache hits and
+    restores alike);
+``not_drained``
+    when the workload drains: no request, block, pin, slot, job or report is left anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.ops import SKIP
+
+from . import content
+from .compat import HAS_FAILED_RECVING, RequestStatus
+from .workload import BLOCK_SIZE, Scenario
+
+if TYPE_CHECKING:
+    from .runner import FakeRunner
+    from .transport import Transfer, Transport
+
+
+class ViolationError(AssertionError):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass
+class Parked:
+    since: int
+    request: Any
+
+
+@dataclass
+class Oracle:
+    scenario: Scenario
+    slack: int = 12
+    step: int = 0
+    scheduler: Any = None
+    transport: Transport | None = None
+    runners: list[FakeRunner] = field(default_factory=list)
+    parked: dict[str, Parked] = field(default_factory=dict)
+    rank_reported: list[set[str]] = field(default_factory=list)
+    violations: list[ViolationError] = field(default_factory=list)
+    max_parked_steps: int = 0
+    loads_reported: int = 0
+    loads_failed_reported: int = 0
+    raise_on_violation: bool = True
+
+    def __post_init__(self) -> None:
+        self.rank_reported = [set() for _ in range(self.scenario.world_size)]
+
+    @property
+    def bound(self) -> int:
+        return self.scenario.faults.max_lateness() + self.slack
+
+    def violation(self, kind: str, detail: str) -> None:
+        err = ViolationError(kind, f"step {self.step}: {detail}")
+        self.violations.append(err)
+        if self.raise_on_violation:
+            raise err
+
+    # -- parking -----------------------------------------------------------------------------
+    def after_schedule(self) -> None:
+        # a request whose report vLLM got but has not released yet (it releases parked
+        # requests only in a schedule() that preempted nothing) is not parked again
+        released = self.scheduler.finished_recving_kv_req_ids
+        for req_id, req in self.scheduler.requests.items():
+            if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req_id not in self.parked
+                    and req_id not in released):
+                self.parked[req_id] = Parked(self.step, req)
+
+    def after_update(self) -> None:
+        for req_id, p in self.parked.items():
+            age = self.step - p.since
+            self.max_parked_steps = max(self.max_parked_steps, age)
+            if age > self.bound:
+                self.violation("parked_too_long",
+                               f"{req_id} parked since step {p.since}, no finished_recving after "
+                               f"{age} steps (bound {self.bound})")
+
+    # -- reports -----------------------------------------------------------------------------
+    def on_rank_report(self, rank: int, kv: Any) -> None:
+        recving = set(kv.finished_recving or ())
+        failed = set(getattr(kv, "failed_recving", None) or ())
+        invalid = set(kv.invalid_block_ids or ())
+        if kv.finished_sending:
+            self.violation("stray_report", f"rank {rank} reported finished_sending "
+                           f"{sorted(kv.finished_sending)}; kvtier never holds blocks")
+        if failed - recving:
+            self.violation("stray_report", f"rank {rank} reported failed_recving "
+                           f"{sorted(failed - recving)} without finished_recving")
+        tr = self.transport
+        assert tr is not None
+        for req_id in sorted(recving):
+            if req_id not in self.parked:
+                self.violation("stray_report", f"rank {rank} reported finished_recving for "
+                               f"{req_id}, which vLLM is not waiting for")
+            if req_id in self.rank_reported[rank]:
+                self.violation("duplicate_report",
+                               f"rank {rank} reported finished_recving for {req_id} twice")
+            self.rank_reported[rank].add(req_id)
+            still = [t for t in tr._pending[rank] if t.kind == "load" and t.job.req_id == req_id]
+            if still:
+                self.violation("reported_before_copy", f"rank {rank} reported the load of "
+                               f"{req_id} while job {still[0].job.job_id}'s copy had not run")
+            outcomes = tr.load_outcomes[rank].pop(req_id, [])
+            bad = [t for t in outcomes if t.completion is None or not t.completion.ok]
+            if bad:
+                flagged = req_id in failed if HAS_FAILED_RECVING else bool(
+                    invalid & self._blocks_of(req_id))
+                if not flagged:
+                    self.violation("failure_hidden",
+                                   f"rank {rank}: the load of {req_id} (job {bad[0].job.job_id}) "
+                                   f"failed ({bad[0].outcome}) but was reported as loaded")
+
+    def on_merged_report(self, kv: Any) -> None:
+        if kv is None:
+            return
+        recving = set(kv.finished_recving or ())
+        failed = set(getattr(kv, "failed_recving", None) or ())
+        if kv.finished_sending:
+            self.violation("stray_report",
+                           f"finished_sending {sorted(kv.finished_sending)} reached vLLM")
+        for req_id in sorted(recving):
+            p = self.parked.pop(req_id, None)
+            if p is None:
+                self.violation("stray_report", f"finished_recving for {req_id} reached vLLM, "
+                               "which is not waiting for it (stray or duplicate)")
+                continue
+            self.loads_reported += 1
+            if req_id in failed:
+                self.loads_failed_reported += 1
+            if self.scheduler.requests.get(req_id) is not p.request:
+                self.violation("stray_report", f"finished_recving for {req_id} reached vLLM "
+                               "but that id now names another request")
+            for s in self.rank_reported:
+                s.discard(req_id)
+
+    def _blocks_of(self, req_id: str) -> set[int]:
+        try:
+            return set(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        except Exception:
+            return set()
+
+    # -- copies (called by the transport) ----------------------------------------------------
+    def on_submit(self, t: Transfer, slots: list[tuple[int, int]]) -> None:
+        tr = self.transport
+        assert tr is not None
+        for s in slots:
+            if t.kind == "load":
+                if tr.saves_in_flight.get(s):
+                    self.violation("load_before_all_ranks_wrote",
+                                   f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}) reads "
+                                   f"slot {s} while a save into it has not run on some rank")
+            else:
+                if tr.loads_in_flight.get(s):
+                    self.violation("slot_overwritten_during_load",
+                                   f"rank {t.rank} save job {t.job.job_id} writes slot {s} while "
+                                   "a load still reads it (a pinned chunk was evicted?)")
+                others = [j for j in tr.saves_in_flight.get(s, {}).values()
+                          if j != t.job.job_id]
+                if others:
+                    self.violation("slot_double_write", f"rank {t.rank} save job {t.job.job_id} "
+                                   f"writes slot {s} while another save into it is in flight")
+
+    def on_save_run(self, t: Transfer) -> None:
+        cache = self.runners[t.rank].cache
+        changed = [b for b, tag in t.snapshot.items() if cache.tag(b) != tag]
+        if changed:
+            self.violation("block_reused_during_save",
+                           f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id} chunk "
+                           f"{t.job.chunk}) reads blocks {changed} that were rewritten after "
+                           "it was submitted")
+
+    def on_load_run(self, t: Transfer) -> None:
+        req = self.scheduler.requests.get(t.job.req_id)
+        if req is None:
+            self.violation("load_into_foreign_block", f"rank {t.rank} load job {t.job.job_id} "
+                           f"writes blocks of {t.job.req_id}, which vLLM already freed")
+            return
+        table = list(self.scheduler.kv_cache_manager.get_block_ids(t.job.req_id)[0])
+        tokens = list(req.all_token_ids)
+        cache = self.runners[t.rank].cache
+        chain = None
+        for op in t.ops_done:
+            for b in op.block_ids:
+                if b == SKIP:
+                    continue
+                if b not in table:
+                    self.violation("load_into_foreign_block",
+                                   f"rank {t.rank} load job {t.job.job_id} writes block {b}, "
+                                   f"not in {t.job.req_id}'s table {table}")
+                    return
+                k = table.index(b)
+                end = (k + 1) * BLOCK_SIZE
+                if end > len(tokens):
+                    self.violation("load_wrong_bytes", f"rank {t.rank} load job {t.job.job_id} "
+                                   f"writes block {b} (index {k}) beyond {len(tokens)} tokens")
+                    return
+                if chain is None or len(chain) < end:
+                    chain = np.asarray(content.chain_of(tokens[:max(end, len(tokens))]),
+                                       dtype=np.uint64)
+                offs = np.arange(BLOCK_SIZE)
+                blocks = np.full(BLOCK_SIZE, b)
+                bad = cache.mismatch(blocks, offs, chain[k * BLOCK_SIZE:end])
+                if bad >= 0:
+                    self.violation("load_wrong_bytes",
+                                   f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}, slot "
+                                   f"{op.slot}) wrote bytes into block {b} (position "
+                                   f"{k * BLOCK_SIZE + bad}) that its prefix does not produce")
+
+    def wrong_read(self, rank: int, req_id: str, idx: int, block: int, nc: int,
+                   tokens: list[int]) -> None:
+        self.violation("wrong_kv_read",
+                       f"rank {rank}: {req_id} reads position {idx} (block {block}) of its "
+                       f"{nc}-token context and finds bytes its prefix does not produce")
+
+    # -- the end -----------------------------------------------------------------------------
+    def check_drained(self, connector: Any, aggregator: Any) -> None:
+        s = self.scheduler
+        problems = []
+        if self.parked:
+            problems.append(f"parked without report: {sorted(self.parked)}")
+        if s.requests:
+            problems.append(f"vLLM requests left: {sorted(s.requests)}")
+        pool = s.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        if free != self.scenario.num_blocks - 1:
+            problems.append(f"{self.scenario.num_blocks - 1 - free} KV blocks still referenced")
+        tr = self.transport
+        assert tr is not None
+        for r in range(self.scenario.world_size):
+            if tr.pending(r):
+                problems.append(f"rank {r}: {tr.pending(r)} copies never ran")
+            w = self.runners[r].worker
+            if w._load_reqs:
+                problems.append(f"rank {r}: worker still tracks loads {sorted(w._load_reqs)}")
+            inflight = getattr(w, "_inflight", None)
+            if inflight:
+                problems.append(f"rank {r}: worker still has jobs in flight {sorted(inflight)}")
+        if aggregator is not None and (aggregator._recv_remaining_count
+                                       or getattr(aggregator, "_failed_recving_pending", None)):
+            problems.append(f"aggregator holds partial reports {aggregator._recv_remaining_count}")
+        sched = connector._sched
+        if connector._requests:
+            problems.append(f"connector still tracks requests {sorted(connector._requests)}")
+        if sched is not None:
+            try:
+                sched.check_drained()
+            except AssertionError as e:
+                problems.append(f"kvtier scheduler not drained: {e}")
+            used, _total = sched.occupancy()
+            stats = sched.index.stats()
+            if used != stats.stored + stats.writing + stats.doomed:
+                problems.append(f"{used} slots used but {stats.stored} chunks stored")
+        if problems:
+            self.violation("not_drained", "; ".join(problems))

@@ -1,0 +1,121 @@
+"""Batches of scenarios, and the command line (also how the 0.25.1 run gets its own process).
+
+    cd tests && python -m harness.run --scenarios 400 --seed 0 [--bug NAME] [--json FILE]
+    cd tests && PYTHONPATH=../.cache/vllm-0.25.1:. python -m harness.run --scenarios 400
+
+Scenarios are spread round-robin over (Scheduler, AsyncScheduler) x (world size 1, 2); the
+seed of scenario ``i`` is ``seed + i // 4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .bugs import PLANTED, Bug
+from .compat import VERSION
+from .driver import Result, run_scenario
+from .workload import Scenario, make_scenario
+
+COMBOS = ((False, 1), (True, 1), (False, 2), (True, 2))
+
+
+def scenarios(n: int, seed: int = 0, fault_kinds: set[str] | None = None,
+              world_size: int | None = None) -> Iterator[Scenario]:
+    combos = [c for c in COMBOS if world_size is None or c[1] == world_size]
+    for i in range(n):
+        async_sched, ws = combos[i % len(combos)]
+        yield make_scenario(seed + i // len(combos), async_sched, ws, fault_kinds)
+
+
+@dataclass
+class Batch:
+    version: str = VERSION
+    scenarios: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    faults: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)
+    combos: Counter = field(default_factory=Counter)
+    violations: list[dict[str, Any]] = field(default_factory=list)
+    too_short: list[str] = field(default_factory=list)  # scenarios below the CI minimums
+
+    def add(self, r: Result) -> None:
+        self.scenarios += 1
+        self.steps += r.steps
+        self.seconds += r.seconds
+        self.faults.update(r.faults)
+        self.counts.update({k: v for k, v in r.counts.items() if k != "max_parked_steps"})
+        self.counts["max_parked_steps"] = max(self.counts["max_parked_steps"],
+                                              r.counts.get("max_parked_steps", 0))
+        sc = r.scenario
+        self.combos[f"{'async' if sc.async_scheduling else 'sync'}-ws{sc.world_size}"] += 1
+        if r.violation is not None:
+            self.violations.append({"kind": r.violation.kind, "detail": r.violation.detail,
+                                    "scenario": sc.describe(), "seed": sc.seed,
+                                    "async": sc.async_scheduling, "ws": sc.world_size})
+        elif r.steps < sc.min_steps or len(sc.requests) < 8 or sum(r.faults.values()) < 1:
+            self.too_short.append(f"{sc.describe()} steps={r.steps} faults={dict(r.faults)}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "scenarios": self.scenarios, "steps": self.steps,
+                "seconds": round(self.seconds, 2), "faults": dict(self.faults),
+                "counts": dict(self.counts), "combos": dict(self.combos),
+                "violations": self.violations, "too_short": self.too_short}
+
+
+def run_batch(items: Iterator[Scenario], bug: Bug | None = None,
+              stop_when: frozenset[str] | None = None, budget_s: float | None = None) -> Batch:
+    """Run scenarios (under ``bug`` if given); stop at the first finding whose kind is in
+    ``stop_when``, or when ``budget_s`` seconds are spent."""
+    out = Batch()
+    t0 = time.perf_counter()
+    for sc in items:
+        if bug is not None:
+            with bug.patch():
+                r = run_scenario(sc)
+        else:
+            r = run_scenario(sc)
+        out.add(r)
+        if stop_when is not None and r.violation is not None and r.violation.kind in stop_when:
+            break
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__)
+    ap.add_argument("--scenarios", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bug", choices=sorted(PLANTED))
+    ap.add_argument("--json", help="write the summary here ('-': stdout)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    bug = PLANTED[args.bug] if args.bug else None
+    batch = run_batch(scenarios(args.scenarios, args.seed), bug)
+    summary = batch.to_json()
+    if args.json == "-":
+        json.dump(summary, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+        print(f"vLLM {batch.version}: {batch.scenarios} scenarios, {batch.steps} steps, "
+              f"{batch.seconds:.1f}s, {len(batch.violations)} violations")
+        print(f"faults: {dict(batch.faults)}")
+        print(f"counts: {dict(batch.counts)}")
+        for v in batch.violations[: None if args.verbose else 10]:
+            print(f"  {v['kind']}: {v['scenario']}\n    {v['detail'][:2000]}")
+    return 1 if batch.violations else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Bugs the fault-injection harness found in kvtier, one named test each.
+
+Every test runs a scenario family aimed at the bug (tests/harness/cases.py) over both
+schedulers and world sizes 1 and 2, and checks two things: with kvtier as it is, the oracle
+finds nothing; with the bug put back (tests/harness/bugs.py, ``revert_*``), the oracle still
+finds it. The second half keeps the test honest when scenarios or kvtier change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from harness import bugs, cases
+from harness.driver import run_scenario
+from harness.workload import Scenario
+
+COMBOS = [(False, 1), (True, 1), (False, 2), (True, 2)]
+
+
+def _run(make: Callable[[int, bool, int], Scenario], seeds: range,
+         patch: Callable[[], contextlib.AbstractContextManager[None]] | None) -> Counter[str]:
+    found: Counter[str] = Counter()
+    for seed in seeds:
+        for async_sched, ws in COMBOS:
+            sc = make(seed, async_sched, ws)
+            with patch() if patch is not None else contextlib.nullcontext():
+                r = run_scenario(sc)
+            found[r.violation.kind if r.violation else "ok"] += 1
+            if r.violation and patch is None:
+                pytest.fail(f"{sc.describe()}: {r.violation}")
+    return found
+
+
+def _check(make: Callable[[int, bool, int], Scenario], revert: Callable[[], object],
+           expected: set[str], seeds: range = range(8)) -> None:
+    fixed = _run(make, seeds, None)
+    assert set(fixed) == {"ok"}, fixed
+    broken = _run(make, seeds, revert)  # type: ignore[arg-type]
+    assert set(broken) & expected, f"the reverted bug went unnoticed: {dict(broken)}"
+
+
+def test_recycled_request_id_loads_its_own_prefix_not_the_finished_requests() -> None:
+    """Bug: vLLM may reuse the id of a finished request while that request's saves are still
+    in flight. kvtier kept the old request's state under that id and handed it to the new
+    request, so the newcomer's lookup used the old prompt's chunk keys: kvtier promised and
+    loaded the *previous* prompt's KV into the new request's blocks (silent corruption).
+    Fix: ``on_new_request`` always starts a new lifecycle; jobs keep a reference to the
+    lifecycle they belong to, so late completions finish on the old one."""
+    _check(cases.recycled_id, bugs.revert_recycled_id, {"load_wrong_bytes", "wrong_kv_read"})
+
+
+def test_request_preempted_by_reset_and_resumed_next_step_keeps_its_block_table() -> None:
+    """Bug: ``reset_prefix_cache(reset_running_requests=True)`` preempts running requests
+    between two steps; the next step lists them in ``preempted_req_ids`` *and* resumes them
+    with a new block table. kvtier applied the preemptions after the step's block updates,
+    wiping the resumed table; the blocks allocated afterwards were taken for the first chunks,
+    so later saves copied other positions' KV under those chunks' keys (a restore of them
+    returns wrong KV; the harness sees the save read blocks the forward still writes).
+    Fix: ``build_connector_meta`` applies preemptions before the step's block updates."""
+    _check(cases.resumed_after_reset, bugs.revert_preempt_order,
+           {"block_reused_during_save", "load_wrong_bytes", "wrong_kv_read"})
+
+
+def test_duplicate_completion_notice_is_reported_once() -> None:
+    """Bug: the worker reported every completion its transfer engine delivered. A transport
+    that delivers a completion twice made a rank report a save twice (the scheduler half
+    raised "reported more than once per rank" inside update_connector_output, killing
+    EngineCore) or crashed the worker on a second load completion (KeyError).
+    Fix: the worker keeps its jobs in flight until their first completion and drops later
+    ones (kvtier guarantees one report per job and rank)."""
+    _check(lambda s, a, w: cases.lossy_notices(s, "duplicate", a, w), bugs.revert_exactly_once,
+           {"crash"})
+
+
+def test_lost_completion_notice_is_recovered_by_query() -> None:
+    """Bug: a completion notice the transport never delivered left its job in flight forever:
+    a parked request never got ``finished_recving`` and the engine never drained.
+    Fix: the worker asks ``TransferEngine.query`` (ground truth, like ``event.query()``) for
+    jobs in flight for ``REQUERY_STEPS`` collects."""
+    _check(lambda s, a, w: cases.lossy_notices(s, "drop", a, w), bugs.revert_exactly_once,
+           {"not_drained", "parked_too_long"})
