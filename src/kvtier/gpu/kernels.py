@@ -29,7 +29,9 @@ from kvtier.layout import GroupLayout
 TAB_COLS = 5  # cache offset of the tile, block stride, offset inside the chunk, run, length
 
 
-@triton.jit
+# Integer arguments are not specialized (a new value never triggers a compile mid-transfer);
+# alignment comes from VEC instead.
+@triton.jit(do_not_specialize=["stage_off", "chunk_bytes", "bpc", "n_tiles", "n_work"])
 def _move_kernel(cache_ptr, stage_ptr, tab_ptr, ids_ptr, stage_off, chunk_bytes, bpc,
                  n_tiles, n_work, TO_STAGE: tl.constexpr, TILE: tl.constexpr,
                  VEC: tl.constexpr):
