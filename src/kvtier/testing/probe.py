@@ -98,3 +98,18 @@ def fill_worker_kv_caches(worker: Any, byte: int = 0x47) -> int:
                 torch.empty(0, dtype=torch.uint8, device=part.device).set_(st).fill_(byte)
                 n += st.nbytes()
     return n
+
+
+# -- worker-side checks through LLM.collective_rpc (any executor, any TP size) -------------
+def rpc_block_checksums(worker: Any, groups: list[tuple[list[str], list[int]]]) -> list[list[str]]:
+    """Per group (layer names, block ids): checksums read through vLLM's tensors."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    probe = get_kv_transfer_group()
+    return [probe.block_checksums(layers, ids) for layers, ids in groups]
+
+
+def rpc_fill(worker: Any, byte: int = 0x47) -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return int(get_kv_transfer_group().fill_all(byte))

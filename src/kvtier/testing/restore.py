@@ -20,10 +20,14 @@ from kvtier.layout import GroupKind
 
 @dataclass
 class EngineHandles:
+    """An LLM whose EngineCore runs in this process. ``worker_connector`` is the worker
+    half when the worker runs here too (one rank, uni-process executor), else None: checks
+    then reach every rank through ``collective_rpc``."""
+
     llm: Any
     core: Any
     scheduler_connector: Any
-    worker_connector: Any
+    worker_connector: Any | None
 
     @property
     def kvtier(self) -> Any:
@@ -33,9 +37,10 @@ class EngineHandles:
 
 def handles(llm: Any) -> EngineHandles:
     core = llm.llm_engine.engine_core.engine_core  # requires the in-process engine core
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    h = EngineHandles(llm, core, core.scheduler.connector, get_kv_transfer_group())
+    local = get_kv_transfer_group() if has_kv_transfer_group() else None
+    h = EngineHandles(llm, core, core.scheduler.connector, local)
     if h.kvtier is None:  # the layout handshake happens in the first engine step
         from vllm import SamplingParams
 
@@ -61,10 +66,8 @@ def settle(h: EngineHandles, timeout_s: float = 120.0) -> int:
         time.sleep(0.001)  # let the transfer thread run
     sched = h.kvtier
     jobs = {j: (js.kind, js.step, js.ok, js.failed) for j, js in sched.jobs.items()} if sched else {}
-    w = h.worker_connector._worker
     raise TimeoutError(
-        f"kvtier still had work in flight after {timeout_s}s ({n} steps): scheduler jobs "
-        f"{jobs}, worker pending {w.pending() if w else None}")
+        f"kvtier still had work in flight after {timeout_s}s ({n} steps): scheduler jobs {jobs}")
 
 
 def generate(h: EngineHandles, prompts: list[list[int]], params: Any) -> list[Any]:
@@ -111,27 +114,34 @@ def _restored_blocks(h: EngineHandles, group: int, prompt_len: int) -> range:
     return range(first // g.block_size, boundary * c // g.block_size)
 
 
-def _checksums(h: EngineHandles, prompt: list[int]) -> list[dict[int, str]]:
-    """Per kvtier group: {block position: checksum} of the blocks kvtier restores for this
-    prompt, read through vLLM's block table of the latest finished request with this prompt.
-    Positions vLLM already released (null blocks: out of a sliding window by the end of the
-    request) are left out."""
+def _checksums(h: EngineHandles, prompt: list[int]) -> list[list[dict[int, str]]]:
+    """Per rank, per kvtier group: {block position: checksum} of the blocks kvtier restores
+    for this prompt, read through vLLM's block table of the latest finished request with this
+    prompt. Positions vLLM already released (null blocks: out of a sliding window by the end
+    of the request) are left out."""
+    from kvtier.testing.probe import rpc_block_checksums
+
     blocks = h.scheduler_connector.blocks_of(prompt)
     groups = h.scheduler_connector.groups
-    out = []
+    asks, positions = [], []
     for kg, eg in enumerate(groups.engine_ids):
         if groups.specs[kg].kind is GroupKind.STATE:
             continue
         table = blocks[eg]
         pos = [i for i in _restored_blocks(h, kg, len(prompt)) if i < len(table) and table[i]]
-        sums = h.worker_connector.block_checksums(
-            list(groups.specs[kg].layer_names), [table[i] for i in pos])
-        out.append(dict(zip(pos, sums)))
-    return out
+        asks.append((list(groups.specs[kg].layer_names), [table[i] for i in pos]))
+        positions.append(pos)
+    per_rank = h.llm.collective_rpc(rpc_block_checksums, args=(asks,))
+    return [[dict(zip(pos, sums)) for pos, sums in zip(positions, rank)] for rank in per_rank]
 
 
-def _same_blocks(a: list[dict[int, str]], b: list[dict[int, str]]) -> bool:
-    """Every group has restored blocks in both runs, and they agree where both kept them."""
+def _same_blocks(a: list[list[dict[int, str]]], b: list[list[dict[int, str]]]) -> bool:
+    """On every rank, every group has restored blocks in both runs, and they agree where
+    both runs kept them."""
+    return len(a) == len(b) and all(_same_rank(x, y) for x, y in zip(a, b))
+
+
+def _same_rank(a: list[dict[int, str]], b: list[dict[int, str]]) -> bool:
     for ga, gb in zip(a, b):
         common = ga.keys() & gb.keys()
         if not common or any(ga[i] != gb[i] for i in common):
@@ -149,8 +159,10 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> Re
     outs_a = generate(h, prompts, params)
     sums_a = [_checksums(h, p) for p in prompts]
     outs_c = generate(h, prompts, params)  # vLLM's own prefix cache at the same boundary
+    from kvtier.testing.probe import rpc_fill
+
     h.llm.reset_prefix_cache()
-    h.worker_connector.fill_all()
+    assert all(n > 0 for n in h.llm.collective_rpc(rpc_fill))
     stats = h.kvtier.stats
     before = (stats.loaded_tokens, stats.loads_ok, stats.loads_failed)
     outs_b = generate(h, prompts, params)
@@ -176,8 +188,8 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> Re
 
 
 def sharpen_dummy_weights(h: EngineHandles, seed: int = 0) -> None:
-    """:func:`sharpen_worker_weights` on an in-process engine's worker."""
-    sharpen_worker_weights(h.core.model_executor.driver_worker.worker, seed)
+    """:func:`sharpen_worker_weights` on every rank."""
+    h.llm.collective_rpc(sharpen_worker_weights, args=(seed,))
 
 
 def sharpen_worker_weights(worker: Any, seed: int = 0) -> int:
