@@ -17,6 +17,7 @@ import random
 import time
 import traceback
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +55,10 @@ class Result:
 
 
 class Driver:
-    def __init__(self, sc: Scenario, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, sc: Scenario, extra: dict[str, Any] | None = None,
+                 trace: Callable[[str], None] | None = None) -> None:
         self.sc = sc
+        self.trace = trace
         self.rng = random.Random(sc.seed ^ 0xD21)
         self.cfg = vllm_config(sc, extra)
         self.kvc = kv_cache_config(sc)
@@ -63,7 +66,7 @@ class Driver:
         self.connector = self.sched.connector
         self.oracle = Oracle(sc)
         self.oracle.scheduler = self.sched
-        self.transport = Transport(sc.world_size, sc.faults, sc.seed, self.oracle)
+        self.transport = Transport(sc.world_size, sc.faults, sc.seed, self.oracle, trace)
         self.oracle.transport = self.transport
         self.runners: list[FakeRunner] = []
         for rank in range(sc.world_size):
@@ -160,9 +163,20 @@ class Driver:
         return self.aggregator.aggregate(outs, 0)
 
     def _update(self, so: Any, mro: Any) -> None:
-        self.oracle.on_merged_report(mro.kv_connector_output)
+        kv = mro.kv_connector_output
+        if self.trace is not None:
+            self.trace(
+                f"update of step {self.steps}: scheduled {dict(so.num_scheduled_tokens)} "
+                f"preempted {sorted(getattr(so, 'preempted_req_ids', None) or ())} finished "
+                f"{sorted(so.finished_req_ids)} recving {sorted(kv.finished_recving or ()) if kv else []} "
+                f"failed {sorted(getattr(kv, 'failed_recving', None) or ()) if kv else []}")
+        self.oracle.on_merged_report(kv)
         self.sched.update_from_output(so, mro)
         self.oracle.after_update()
+        if self.trace is not None:
+            self.trace("  requests " + ", ".join(
+                f"{k}:{v.status.name}@{v.num_computed_tokens}"
+                for k, v in self.sched.requests.items()))
 
     def run(self) -> None:
         sc = self.sc
@@ -232,12 +246,13 @@ class Driver:
         return +out
 
 
-def run_scenario(sc: Scenario, extra: dict[str, Any] | None = None) -> Result:
+def run_scenario(sc: Scenario, extra: dict[str, Any] | None = None,
+                 trace: Callable[[str], None] | None = None) -> Result:
     t0 = time.perf_counter()
     res = Result(sc)
     drv = None
     try:
-        drv = Driver(sc, extra)
+        drv = Driver(sc, extra, trace)
         drv.run()
     except ViolationError as e:
         res.violation = e

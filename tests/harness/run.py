@@ -10,6 +10,7 @@ seed of scenario ``i`` is ``seed + i // 4``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -96,9 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bug", choices=sorted(PLANTED))
     ap.add_argument("--json", help="write the summary here ('-': stdout)")
+    ap.add_argument("--one", metavar="SEED,ASYNC,WS",
+                    help="run one scenario, e.g. 137,1,2 (seed 137, AsyncScheduler, 2 ranks)")
+    ap.add_argument("--trace", action="store_true", help="with --one: print every step")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     bug = PLANTED[args.bug] if args.bug else None
+    if args.one:
+        seed, async_sched, ws = (int(x) for x in args.one.split(","))
+        sc = make_scenario(seed, bool(async_sched), ws)
+        print(sc.describe())
+        for r in sc.requests:
+            print(f"  {r.key} id={r.req_id} prompt={len(r.prompt)} max_tokens={r.max_tokens} "
+                  f"arrival={r.arrival} after={r.after} abort_after={r.abort_after} "
+                  f"abort_when_parked={r.abort_when_parked} recycles={r.recycles}")
+        trace = print if args.trace else None
+        with bug.patch() if bug is not None else contextlib.nullcontext():
+            res = run_scenario(sc, trace=trace)
+        print(res.summary())
+        return 0 if res.ok else 1
     batch = run_batch(scenarios(args.scenarios, args.seed), bug)
     summary = batch.to_json()
     if args.json == "-":

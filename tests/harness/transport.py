@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,8 +53,10 @@ class Transfer:
 
 class Transport:
     def __init__(self, world_size: int, faults: FaultPlan, seed: int,
-                 oracle: Oracle | None = None) -> None:
+                 oracle: Oracle | None = None,
+                 trace: Callable[[str], None] | None = None) -> None:
         self.world_size = world_size
+        self.trace = trace
         self.faults = faults
         self.rng = random.Random(seed ^ 0x7A11)
         self.oracle = oracle
@@ -117,6 +119,10 @@ class Transport:
                           if b != SKIP}
         self._pending[rank].append(t)
         self._by_job[rank][job.job_id] = t
+        if self.trace is not None:
+            self.trace(f"    rank {rank} submits {kind} job {job.job_id} ({job.req_id}) slots/blocks "
+                       f"{[(op.slot, op.block_ids) for op in job.ops]} runs at {t.ready} "
+                       f"{t.outcome}")
 
     @staticmethod
     def _slots(t: Transfer) -> list[tuple[int, int]]:
@@ -150,6 +156,8 @@ class Transport:
 
     def _execute(self, t: Transfer) -> None:
         self._pending[t.rank].remove(t)
+        if self.trace is not None:
+            self.trace(f"    rank {t.rank} runs {t.kind} job {t.job.job_id} ({t.outcome})")
         t0 = time.perf_counter()
         ops = list(t.job.ops)
         if t.outcome == "fail":
