@@ -108,6 +108,8 @@ class OffloadWorker:
         self.duplicate_completions = 0  # completions of jobs already reported (dropped)
         self.requeried = 0  # completions found by query() after their notice went missing
         self.total_fences_waited = 0  # fences that found their save still pending, ever
+        self.total_bytes_saved = 0
+        self.total_bytes_loaded = 0
         self.plan_step = 0
 
     # -- fault injection (test only; every switch defaults off) -----------------------------
@@ -185,6 +187,7 @@ class OffloadWorker:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes
             rep.save_seconds += c.seconds
+            self.total_bytes_saved += c.nbytes
             return
         req_id, blocks = self._load_reqs.pop(c.job_id)
         ok = c.ok
@@ -194,6 +197,7 @@ class OffloadWorker:
         rep.loads[c.job_id] = [1, 0] if ok else [0, 1]
         rep.bytes_loaded += c.nbytes
         rep.load_seconds += c.seconds
+        self.total_bytes_loaded += c.nbytes
         out.finished_loads.add(req_id)
         if not ok:
             out.failed_loads.add(req_id)

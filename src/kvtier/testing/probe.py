@@ -113,3 +113,24 @@ def rpc_fill(worker: Any, byte: int = 0x47) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return int(get_kv_transfer_group().fill_all(byte))
+
+
+def rpc_worker_facts(worker: Any) -> dict[str, Any]:
+    """This rank's kvtier worker: rank, shards, whether it writes, bytes moved so far."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._worker
+    return {"rank": w.rank, "shards": w.plan.num_shards, "writes": w.writes,
+            "replicated": w.replicated, "bytes_saved": w.total_bytes_saved,
+            "bytes_loaded": w.total_bytes_loaded}
+
+
+def rpc_fail_next_loads(worker: Any, rank: int, n: int = 1) -> bool:
+    """Test-only: make the next ``n`` loads fail on one rank only."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._worker
+    if w.rank == rank:
+        w._fail_loads_left = n
+        return True
+    return False
