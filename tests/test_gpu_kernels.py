@@ -211,8 +211,11 @@ def _engine_factory(mode: str, fam: Family, **kw: Any) -> Callable[[ChunkMover],
     return make
 
 
-@pytest.mark.parametrize("mode", ["dma", "kernel", "auto"])
-@pytest.mark.parametrize("name", NAMES)
+ENGINE_CASES = [(n, m) for n in NAMES for m in ("dma", "kernel")] + [
+    (n, "auto") for n in ("v032_mamba_hybrid", "v032_fp8_scales_on_layer", "v032_mla_auto")]
+
+
+@pytest.mark.parametrize(("name", "mode"), ENGINE_CASES)
 def test_engine_round_trip(name: str, mode: str) -> None:
     fam = _family(name)
     seen: list[list[str]] = []

@@ -38,6 +38,7 @@ and ``TRITON_INTERPRET=1``; checks the code, not the speed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -56,7 +57,7 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 CHUNKS = (256 * KIB, 2 * MIB, 8 * MIB)
 FAMILIES = ("mha", "mla_bf16", "mla_fp8", "kv_fp8_scales", "indexer", "hybrid")
 DESIGN_CEILING = {"d2h": 55.3, "h2d": 55.4, "both": 99.2}  # DESIGN.md §3
-STEP_BYTES = 16 * MIB  # saves submitted per engine step; bytes per load job
+STEP_BYTES = 64 * MIB  # saves submitted per engine step; bytes per load job
 TARGETS = {"large": 0.90, "small": 0.75, "both": 0.80, "gemm_link": 0.80, "gemm_slow": 0.05}
 
 
@@ -114,8 +115,11 @@ def geometry(family: str, chunk: int, span: int, smoke: bool = False) -> Geometr
     """The cache for ``family`` with chunks of about ``chunk`` bytes and at least ``span``
     bytes of distinct blocks (two sets: saves and loads)."""
     def nb_for(block_bytes: int) -> int:
-        # Odd and above every other dimension: the block axis is never ambiguous.
-        return max(601, -(-span // block_bytes) * 2 + 4) | 1
+        # Two disjoint sets (saves, loads) of whole chunks covering ``span`` each; odd and
+        # above every other dimension, so the block axis is never ambiguous.
+        bpc = bpc_for(block_bytes)
+        chunks = -(-span // (bpc * block_bytes))
+        return max(601, 2 * chunks * bpc + 8) | 1
 
     def bpc_for(block_bytes: int) -> int:
         return max(1, round(chunk / block_bytes))
@@ -340,6 +344,7 @@ class Phase:
     seconds: float
     nbytes: int
     jobs: int
+    detail: dict[str, Any] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -352,8 +357,9 @@ def _job_bytes(cell: Cell, job: Any) -> int:
 
 def run_phase(engine: Any, cell: Cell, kind: str, compute: Any, sync: Callable[[], None]
               ) -> Phase:
-    """Submit the phase's jobs as the worker would, wait for the last completion; returns
-    the wall time from the first enqueue. Every job must be reported once, ok."""
+    """Submit the phase's jobs as the worker would (per step: ``tick``, loads, saves,
+    ``poll``), wait for the last completion; the wall time runs from the first enqueue.
+    Every job must be reported once, ok. Also records where the time went (``detail``)."""
     import torch
 
     saves = cell.save_jobs if kind == "save" else cell.both_saves if kind == "both" else []
@@ -369,6 +375,7 @@ def run_phase(engine: Any, cell: Cell, kind: str, compute: Any, sync: Callable[[
 
     ctx = torch.cuda.stream(compute) if compute is not None else _null()
     si = li = 0
+    engine.trace = []
     with ctx:
         sync()
         t0 = time.perf_counter()
@@ -385,12 +392,21 @@ def run_phase(engine: Any, cell: Cell, kind: str, compute: Any, sync: Callable[[
                 sb += _job_bytes(cell, saves[si])
                 si += 1
             collect()
+        engine.poll()  # flush
+        t_enq = time.perf_counter()
         engine.drain()
         t1 = time.perf_counter()
     collect()
     if set(got) != expect:
         raise RuntimeError(f"{kind}: {len(expect - set(got))} jobs never reported")
-    return Phase(t1 - t0, sum(c.nbytes for c in got.values()), len(got))
+    ph = Phase(t1 - t0, sum(c.nbytes for c in got.values()), len(got))
+    trace, engine.trace = engine.trace, None
+    ph.detail = {"host_enqueue_s": t_enq - t0, "batches": len(trace),
+                 "host_in_batches_s": sum(b["host_s"] for b in trace)}
+    with contextlib.suppress(Exception):  # GPU time from the first batch start to the last done
+        first = trace[0]["start"]
+        ph.detail["gpu_s"] = max(first.elapsed_time(b["done"]) for b in trace) / 1e3
+    return ph
 
 
 class _null:
@@ -473,19 +489,23 @@ class Gemm:
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) for a, b in itertools.pairwise(evs))
 
-    def during(self, evs: list[Any], t0: Any, t1: Any) -> dict[str, float]:
-        """Mean time of the GEMMs that ran entirely between events ``t0`` and ``t1``."""
-        inside = []
+    def during(self, evs: list[Any], t0: Any, t1: Any, skip: int = 0) -> dict[str, float]:
+        """GEMM times inside [t0, t1] against those entirely outside it (the first ``skip``
+        left out)."""
         end = t0.elapsed_time(t1)
-        for a, b in itertools.pairwise(evs):
+        inside, alone = [], []
+        for i, (a, b) in enumerate(itertools.pairwise(evs)):
             s, e = t0.elapsed_time(a), t0.elapsed_time(b)
             if s >= 0 and e <= end:
                 inside.append(e - s)
+            elif (e <= 0 or s >= end) and i >= skip:
+                alone.append(e - s)
         covered = sum(inside) / end if end > 0 else 0.0
-        mean = statistics.fmean(inside) if inside else float("nan")
-        return {"gemm_ms_alone": self.ms, "gemm_ms_during": mean, "gemms_inside": len(inside),
-                "window_covered": covered, "slowdown": mean / self.ms - 1 if inside else
-                float("nan")}
+        ms_in = statistics.fmean(inside) if inside else float("nan")
+        ms_alone = statistics.fmean(alone) if alone else self.ms
+        return {"gemm_ms_alone": ms_alone, "gemm_ms_during": ms_in, "gemms_inside": len(inside),
+                "gemms_alone": len(alone), "window_covered": covered,
+                "slowdown": ms_in / ms_alone - 1 if inside else float("nan")}
 
 
 def ceilings(device: Any, host: Any, reps: int) -> dict[str, Any]:
@@ -538,6 +558,70 @@ def ceilings(device: Any, host: Any, reps: int) -> dict[str, Any]:
     return out
 
 
+def probe(device: Any, host: Any) -> dict[str, Any]:
+    """The two halves of the data path alone, outside the engine: 1 GiB moved by
+    ``cuMemcpyBatchAsync`` as pieces of 8 KiB .. 2 MiB from random places of a 4 GiB device
+    buffer to consecutive host places (one driver call per 64 MiB), each way; and the Triton
+    gather of 1 GiB of 8 KiB and 64 KiB pieces into device staging. GPU time (events), and
+    host time to submit."""
+    import numpy as np
+    import torch
+
+    from kvtier.gpu.dma import Driver
+    from kvtier.gpu.kernels import TileTable
+    from kvtier.layout import GroupKind, GroupSpec, build_layout
+
+    drivers = {0: Driver(), 1: Driver(flags=1)}
+    dev = torch.empty(4 * GIB, dtype=torch.uint8, device=device)
+    dev.random_(0, 256)
+    s = torch.cuda.Stream(device)
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"dma": [], "gather": []}
+    for piece, flags in ((8 * KIB, 0), (8 * KIB, 1), (64 * KIB, 0), (64 * KIB, 1),
+                         (256 * KIB, 0), (2 * MIB, 0)):
+        drv = drivers[flags]
+        n = GIB // piece
+        src = dev.data_ptr() + rng.permutation(4 * GIB // piece)[:n].astype(np.int64) * piece
+        dst = host.data_ptr() + np.arange(n, dtype=np.int64) * piece
+        size = np.full(n, piece, dtype=np.int64)
+        per = 64 * MIB // piece
+        for way in ("d2h", "h2d"):
+            d, c = (dst, src) if way == "d2h" else (src, dst)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record(s)
+            for i in range(0, n, per):
+                drv.run((d[i:i + per], c[i:i + per], size[i:i + per]), s.cuda_stream)
+            b.record(s)
+            t_sub = time.perf_counter() - t0
+            b.synchronize()
+            wall = time.perf_counter() - t0
+            out["dma"].append({"piece": piece, "way": way, "descriptors": n, "flags": flags,
+                               "gpu_gbps": GIB / (a.elapsed_time(b) / 1e3) / 1e9,
+                               "wall_gbps": GIB / wall / 1e9, "submit_s": t_sub})
+    stage = torch.empty(GIB, dtype=torch.uint8, device=device)
+    for piece in (8 * KIB, 64 * KIB):
+        nb = 4 * GIB // piece
+        name = "model.layers.0.self_attn.attn"
+        lay = build_layout({name: dev.view(nb, piece)}, [GroupSpec(GroupKind.FULL, 16, (name,))],
+                           nb)
+        t = TileTable.build(lay.groups[0], 1)
+        ids = torch.as_tensor(rng.permutation(nb)[: GIB // piece].astype(np.int64),
+                              device=device)
+        for programs in (132, 264, 528):
+            t.launch(stage, 0, ids, True, programs)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t.launch(stage, 0, ids, True, programs)
+            b.record()
+            b.synchronize()
+            out["gather"].append({"piece": piece, "programs": programs,
+                                  "gbps": GIB / (a.elapsed_time(b) / 1e3) / 1e9})
+    return out
+
+
 def naive(cell: Cell, nbytes: int) -> dict[str, float]:
     """One ``copy_`` per piece (per segment and block), on a side stream."""
     import torch
@@ -586,7 +670,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.bench.report import metadata
     from kvtier.config import KvtierConfig
-    from kvtier.gpu.engine import DMA_MIN_PIECE, CudaTransferEngine, HostRuntime
+    from kvtier.gpu.engine import DMA_MIN_PIECE
 
     smoke = bool(args.smoke)
     if not smoke and not torch.cuda.is_available():
@@ -626,6 +710,21 @@ def run(args: argparse.Namespace) -> int:
         c = result["ceiling"]
         print("ceiling GB/s: d2h {d2h[gbps]:.1f}  h2d {h2d[gbps]:.1f}  both {both[gbps]:.1f}"
               .format(**c), flush=True)
+    if not smoke:
+        try:
+            result["probe"] = probe(device, host)
+        except Exception as e:  # a probe is diagnostic: report it, measure the rest
+            print(f"probe failed: {type(e).__name__}: {e}", flush=True)
+            result["probe"] = {"error": repr(e), "dma": [], "gather": []}
+        torch.cuda.empty_cache()
+        for r in result["probe"]["dma"]:
+            print(f"raw batched DMA {r['way']} {r['piece'] // KIB:5d} KiB pieces (flags "
+                  f"{r['flags']}): GPU "
+                  f"{r['gpu_gbps']:5.1f} GB/s, wall {r['wall_gbps']:5.1f}, submit "
+                  f"{1e3 * r['submit_s']:.1f} ms for {r['descriptors']}", flush=True)
+        for r in result["probe"]["gather"]:
+            print(f"raw gather {r['piece'] // KIB} KiB pieces, {r['programs']} programs: "
+                  f"{r['gbps']:.0f} GB/s", flush=True)
     gemm = Gemm(device) if not (smoke or args.no_gemm) else None
     if gemm is not None:
         result["gemm_ms_alone"] = gemm.ms
@@ -655,22 +754,19 @@ def run(args: argparse.Namespace) -> int:
             if len(set(auto_paths)) > 1 and "auto" not in run_modes:
                 run_modes.append("auto")  # a mixed choice is its own configuration
             for mode in run_modes:
-                rt = HostRuntime() if smoke else None
-                eng = CudaTransferEngine(cell.mover, cfg, mode=mode, runtime=rt,
-                                         dma_min_piece=thr)
-                m: dict[str, Any] = {"paths": eng.paths()}
-                _warm(eng, cell, idle, sync)
-                for kind in ("save", "load", "both"):
-                    ph = run_phase(eng, cell, kind, idle, sync)
-                    spot_check(cell, kind)
-                    m[kind] = {"gbps": ph.gbps, "seconds": ph.seconds, "bytes": ph.nbytes}
-                if gemm is not None:
-                    for kind in ("save", "load", "both"):
-                        m["gemm_" + kind] = _under_gemm(eng, cell, kind, idle, sync, gemm,
-                                                        m[kind]["seconds"])
-                eng.close()
+                try:
+                    m = _measure_mode(cell, cfg, mode, thr, smoke, idle, sync, gemm)
+                except Exception as e:  # a failed check is reported; the rest still runs
+                    print(f"  {mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                    entry.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"
+                    continue
                 entry["modes"][mode] = m
                 print("  " + _line(mode, m), flush=True)
+            if fam == "indexer" and chunk == 2 * MIB and gemm is not None:
+                try:
+                    entry["sweep"] = _sweep(cell, cfg, idle, sync, gemm)
+                except Exception as e:
+                    print(f"  sweep failed: {type(e).__name__}: {e}", flush=True)
             auto = auto_paths[0] if len(set(auto_paths)) == 1 else "auto"
             entry["auto"] = auto if auto in entry["modes"] else None
             entry["auto_paths"] = auto_paths
@@ -689,6 +785,28 @@ def run(args: argparse.Namespace) -> int:
     result["targets"] = targets(result)
     _write(args, result)
     return 0
+
+
+def _measure_mode(cell: Cell, cfg: Any, mode: str, thr: int, smoke: bool, idle: Any,
+                  sync: Callable[[], None], gemm: Gemm | None) -> dict[str, Any]:
+    from kvtier.gpu.engine import CudaTransferEngine, HostRuntime
+
+    eng = CudaTransferEngine(cell.mover, cfg, mode=mode, runtime=HostRuntime() if smoke else None,
+                             dma_min_piece=thr)
+    try:
+        m: dict[str, Any] = {"paths": eng.paths()}
+        _warm(eng, cell, idle, sync)
+        for kind in ("save", "load", "both"):
+            ph = run_phase(eng, cell, kind, idle, sync)
+            spot_check(cell, kind)
+            m[kind] = {"gbps": ph.gbps, "seconds": ph.seconds, "bytes": ph.nbytes, **ph.detail}
+        if gemm is not None:
+            for kind in ("save", "load", "both"):
+                m["gemm_" + kind] = _under_gemm(eng, cell, kind, idle, sync, gemm,
+                                                m[kind]["seconds"])
+        return m
+    finally:
+        eng.close()
 
 
 def _auto_paths(cell: Cell, thr: int) -> list[str]:
@@ -717,14 +835,41 @@ def _warm(eng: Any, cell: Cell, idle: Any, sync: Callable[[], None]) -> None:
     sync()
 
 
+def _sweep(cell: Cell, cfg: Any, idle: Any, sync: Callable[[], None], gemm: Gemm
+           ) -> list[dict[str, Any]]:
+    """The gather kernel's width and grid, alone and under the GEMM (saves)."""
+    from kvtier.gpu.engine import CudaTransferEngine
+
+    out = []
+    for warps, programs, batch in ((4, 256, 64 * MIB), (1, 132, 64 * MIB), (1, 528, 64 * MIB),
+                                   (4, 64, 64 * MIB), (4, 256, 16 * MIB)):
+        eng = CudaTransferEngine(cell.mover, cfg, mode="kernel", max_programs=programs,
+                                 num_warps=warps, batch_bytes=batch)
+        _warm(eng, cell, idle, sync)
+        alone = run_phase(eng, cell, "save", idle, sync)
+        under = _under_gemm(eng, cell, "save", idle, sync, gemm, alone.seconds)
+        eng.close()
+        r = {"num_warps": warps, "max_programs": programs, "batch_bytes": batch,
+             "save": alone.gbps, "save_gemm": under["gbps"], "slowdown": under["slowdown"]}
+        print(f"  sweep kernel warps {warps} programs {programs} batch {batch // MIB} MiB: save "
+              f"{alone.gbps:.1f}, under GEMM {under['gbps']:.1f} GB/s "
+              f"({100 * under['slowdown']:+.1f}%)", flush=True)
+        out.append(r)
+    return out
+
+
 def _under_gemm(eng: Any, cell: Cell, kind: str, idle: Any, sync: Callable[[], None],
                 gemm: Gemm, alone_s: float) -> dict[str, Any]:
+    """The phase while GEMMs loop on the default stream. GEMMs run alone before and after
+    the transfers in the same queue, so the GPU's clock and power state are the same for the
+    GEMMs the slowdown compares."""
     import torch
 
-    gemm.ms = gemm.baseline(6)
-    k = int(2.0 * alone_s * 1e3 / gemm.ms) + 6
+    pre, post = 14, 14
+    during = int(1.5 * alone_s * 1e3 / gemm.ms) + 8
     sync()
-    evs = gemm.enqueue(k)
+    evs = gemm.enqueue(pre + during + post)
+    evs[pre - 2].synchronize()  # the first GEMMs ran alone; the queue still holds the rest
     marker = torch.cuda.Stream(idle.device)
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record(marker)
@@ -733,8 +878,8 @@ def _under_gemm(eng: Any, cell: Cell, kind: str, idle: Any, sync: Callable[[], N
     t1.record(marker)
     torch.cuda.synchronize()
     spot_check(cell, kind, 2)
-    out = {"gbps": ph.gbps, "seconds": ph.seconds, "bytes": ph.nbytes}
-    out.update(gemm.during(evs, t0, t1))
+    out = {"gbps": ph.gbps, "seconds": ph.seconds, "bytes": ph.nbytes, **ph.detail}
+    out.update(gemm.during(evs, t0, t1, skip=2))
     return out
 
 
@@ -766,8 +911,11 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                                ("256KiB", 0, 2 * MIB, TARGETS["small"])):
         misses = []
         for c in result["cells"]:
-            if not c.get("auto") or not (c["chunk_target"] >= lo and
-                                         (hi is None or c["chunk_target"] < hi)):
+            if not (c["chunk_target"] >= lo and (hi is None or c["chunk_target"] < hi)):
+                continue
+            if not c.get("auto"):
+                misses.append(f"{c['family']} {c['chunk_target'] // KIB}KiB: no measurement "
+                              f"of the auto path ({c.get('errors')})")
                 continue
             m = c["modes"][c["auto"]]
             for kind in ("save", "load"):

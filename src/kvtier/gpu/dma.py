@@ -149,9 +149,10 @@ class Driver:
 
     ``mode``: ``"batch"`` (cuMemcpyBatchAsync) or ``"loop"`` (cuMemcpyAsync per descriptor);
     default: ``KVTIER_DMA`` from the environment, else batch where the driver has it.
+    ``flags``: the batch's CUmemcpyFlags (1 = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
     """
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: str | None = None, flags: int = 0) -> None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
@@ -168,7 +169,7 @@ class Driver:
             except DmaError:
                 self._batch = None
         self.mode = "batch" if self._batch is not None else "loop"
-        self._attrs = _MemcpyAttributes(srcAccessOrder=SRC_ACCESS_ORDER_STREAM)
+        self._attrs = _MemcpyAttributes(srcAccessOrder=SRC_ACCESS_ORDER_STREAM, flags=flags)
         self._attrs_idx = ctypes.c_size_t(0)
         self._fail_idx = ctypes.c_size_t(0)
 

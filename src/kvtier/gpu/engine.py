@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 DMA_MIN_PIECE = 64 * 1024
 """Default of ``dma_min_piece``: groups whose smallest piece is below it use the kernel path."""
-BATCH_BYTES = 16 * 2**20
+BATCH_BYTES = 64 * 2**20
 STAGE_ALIGN = 256
 META_ENTRIES = 1 << 18
 
@@ -305,7 +305,10 @@ class CudaTransferEngine(TransferEngine):
         self._queued_bytes = 0
         self._queued_after: Any = None
         self._jobs: dict[int, _JobState] = {}
-        self._inflight: list[_Batch] = []
+        # In flight, per direction, in submission order. A direction's batches complete
+        # nearly in order, so poll looks at the oldest ones only (never the whole list).
+        self._inflight: dict[str, deque[_Batch]] = {"save": deque(), "load": deque()}
+        self.trace: list[dict[str, Any]] | None = None  # set to a list to record batches
         self._ready: list[Completion] = []
         self._step_event: Any = None
 
@@ -379,34 +382,39 @@ class CudaTransferEngine(TransferEngine):
     def poll(self) -> list[Completion]:
         self._flush()
         out, self._ready = self._ready, []
-        still: list[_Batch] = []
-        for b in self._inflight:
-            err = b.error
-            try:
-                if b.done is not None and not b.done.query():
-                    still.append(b)
-                    continue
-            except RuntimeError as e:  # a CUDA error: nothing of this batch runs any more
-                err = err or f"{type(e).__name__}: {e}"
-            secs = time.perf_counter() - b.t0
-            if not err and b.done is not None:
-                with contextlib.suppress(RuntimeError):
-                    secs = b.start.elapsed_time(b.done) / 1e3
-            jobs = self._jobs
-            for job_id in b.job_ids:
-                st = jobs.get(job_id)
-                if st is None:
-                    continue
-                if err and not st.error:
-                    st.error = err
-                st.seconds = max(st.seconds, secs)
-                st.remaining -= 1
-                if st.remaining <= 0:
-                    del jobs[job_id]
-                    out.append(Completion(job_id, st.kind, not st.error,
-                                          0 if st.error else st.nbytes, st.seconds, st.error))
-        self._inflight = still
+        for queue in self._inflight.values():
+            while queue:
+                if not self._finish_batch(queue[0], out):
+                    break
+                queue.popleft()
         return out
+
+    def _finish_batch(self, b: _Batch, out: list[Completion]) -> bool:
+        """Report the jobs of a completed batch (False: still running)."""
+        err = b.error
+        try:
+            if b.done is not None and not b.done.query():
+                return False
+        except RuntimeError as e:  # a CUDA error: nothing of this batch runs any more
+            err = err or f"{type(e).__name__}: {e}"
+        secs = time.perf_counter() - b.t0
+        if not err and b.done is not None:
+            with contextlib.suppress(RuntimeError):
+                secs = b.start.elapsed_time(b.done) / 1e3
+        jobs = self._jobs
+        for job_id in b.job_ids:
+            st = jobs.get(job_id)
+            if st is None:
+                continue
+            if err and not st.error:
+                st.error = err
+            st.seconds = max(st.seconds, secs)
+            st.remaining -= 1
+            if st.remaining <= 0:
+                del jobs[job_id]
+                out.append(Completion(job_id, st.kind, not st.error,
+                                      0 if st.error else st.nbytes, st.seconds, st.error))
+        return True
 
     def pending(self) -> int:
         return len(self._queued) + len(self._jobs) + len(self._ready)
@@ -415,14 +423,15 @@ class CudaTransferEngine(TransferEngine):
         """Enqueue everything queued and wait on the host until it completed (tests, bench,
         shutdown); the completions stay for :meth:`poll`."""
         self._flush()
-        for b in self._inflight:
+        for b in (*self._inflight["save"], *self._inflight["load"]):
             if b.done is not None:
                 with contextlib.suppress(RuntimeError):
                     b.done.synchronize()
 
     def close(self) -> None:
         self.drain()
-        self._inflight.clear()
+        for queue in self._inflight.values():
+            queue.clear()
         self._jobs.clear()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -570,7 +579,11 @@ class CudaTransferEngine(TransferEngine):
             st.remaining += 1
             if read is not None and kind == "save":
                 st.read_events.append(read)
-        self._inflight.append(_Batch(kind, job_ids, done, start, t0, error))
+        self._inflight[kind].append(_Batch(kind, job_ids, done, start, t0, error))
+        if self.trace is not None:
+            self.trace.append({"kind": kind, "path": g.path, "chunks": len(slots),
+                               "bytes": len(slots) * g.chunk_bytes, "start": start,
+                               "done": done, "host_s": time.perf_counter() - t0})
 
     def _save_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
                      start: Any, done: Any) -> Any:
