@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -743,6 +744,9 @@ def run(args: argparse.Namespace) -> int:
             t_cell = time.perf_counter()
             geo = geometry(fam, chunk, span, smoke)
             cell = build_cell(geo, device, host, span, seed=ci)
+            # The cell's job lists (tens of thousands of objects) live for the whole cell:
+            # out of the collector's way, as a serving engine's long-lived state would be.
+            gc.freeze()
             entry: dict[str, Any] = {"family": fam, "chunk_target": chunk, "note": geo.note,
                                      **cell.sizes, "modes": {}}
             print(f"\n{fam} chunk {cell.sizes['chunk_bytes'] / KIB:.0f} KiB "
@@ -780,6 +784,8 @@ def run(args: argparse.Namespace) -> int:
                   "far)", flush=True)
             _write(args, result, quiet=True)  # what is done survives a time-out
             del cell
+            gc.unfreeze()
+            gc.collect()
             if not smoke:
                 torch.cuda.empty_cache()
     result["targets"] = targets(result)
