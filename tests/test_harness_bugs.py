@@ -14,6 +14,12 @@ one of the findings that bug must cause; the scenario that caught it must pass w
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness.bugs import PLANTED
@@ -22,6 +28,8 @@ from harness.run import run_batch, scenarios
 from harness.workload import make_scenario
 
 MAX_SCENARIOS = 120
+ROOT = Path(__file__).resolve().parent.parent
+VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
 
 
 @pytest.mark.parametrize("name", list(PLANTED))
@@ -36,3 +44,21 @@ def test_planted_bug_is_caught(name: str) -> None:
     clean = run_scenario(make_scenario(v["seed"], v["async"], v["ws"], set(bug.fault_kinds)))
     assert clean.ok, f"the scenario that caught {name} fails without it too: {clean.violation}"
     print(f"{name}: caught after {batch.scenarios} scenarios as {v['kind']}: {v['detail'][:200]}")
+
+
+@pytest.mark.vllm025
+def test_planted_bugs_are_caught_on_vllm025() -> None:
+    """The same six bugs against vLLM 0.25.1's scheduler (failures reported per block there)."""
+    if not (VLLM025 / "vllm" / "__init__.py").exists():
+        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
+    env = dict(os.environ, PYTHONPATH=f"{VLLM025}{os.pathsep}{ROOT / 'tests'}",
+               VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run([sys.executable, "-m", "harness.run", "--planted", "--json", "-"],
+                          cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["version"].startswith("0.25")
+    missed = {k: v for k, v in out["planted"].items() if not v["caught"]}
+    assert not missed, missed

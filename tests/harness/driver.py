@@ -63,6 +63,8 @@ class Driver:
         self.cfg = vllm_config(sc, extra)
         self.kvc = kv_cache_config(sc)
         self.sched = make_scheduler(sc, self.cfg, self.kvc)
+        # Model Runner V2 (the GPU default) gets resumed requests as new ones, full table
+        self.sched.use_v2_model_runner = sc.v2_runner
         self.connector = self.sched.connector
         self.oracle = Oracle(sc)
         self.oracle.scheduler = self.sched

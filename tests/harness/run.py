@@ -91,6 +91,21 @@ def run_batch(items: Iterator[Scenario], bug: Bug | None = None,
     return out
 
 
+def catch_planted(seed: int = 1000, max_scenarios: int = 120) -> dict[str, dict[str, Any]]:
+    """Each planted bug, alone, over scenarios with the faults that expose it, until the
+    oracle reports a finding the bug must cause."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, bug in PLANTED.items():
+        batch = run_batch(scenarios(max_scenarios, seed, set(bug.fault_kinds), bug.world_size),
+                          bug, stop_when=bug.detected_by)
+        hits = [v for v in batch.violations if v["kind"] in bug.detected_by]
+        out[name] = {"caught": hits[0]["kind"] if hits else None,
+                     "detail": hits[0]["detail"][:300] if hits else "",
+                     "scenario": hits[0] if hits else None, "scenarios": batch.scenarios,
+                     "other": [v["kind"] for v in batch.violations if v not in hits]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__)
     ap.add_argument("--scenarios", type=int, default=400)
@@ -100,8 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", metavar="SEED,ASYNC,WS",
                     help="run one scenario, e.g. 137,1,2 (seed 137, AsyncScheduler, 2 ranks)")
     ap.add_argument("--trace", action="store_true", help="with --one: print every step")
+    ap.add_argument("--planted", action="store_true",
+                    help="run each planted bug until the oracle catches it (JSON with --json)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.planted:
+        caught = catch_planted(args.seed or 1000)
+        if args.json == "-":
+            print(json.dumps({"version": VERSION, "planted": caught}))
+        else:
+            for name, c in caught.items():
+                print(f"{name}: {c}")
+        return 0 if all(c["caught"] for c in caught.values()) else 1
     bug = PLANTED[args.bug] if args.bug else None
     if args.one:
         seed, async_sched, ws = (int(x) for x in args.one.split(","))

@@ -128,8 +128,10 @@ class FakeRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for nr in so.scheduled_new_reqs:
+            # Model Runner V2: resumed requests come as new ones, with all their tokens
+            tokens = getattr(nr, "prefill_token_ids", None) or nr.prompt_token_ids
             self.requests[nr.req_id] = ReqState(
-                nr.req_id, list(nr.prompt_token_ids), len(nr.prompt_token_ids),
+                nr.req_id, list(tokens), len(nr.prompt_token_ids),
                 list(nr.block_ids[0]), nr.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()

@@ -92,6 +92,7 @@ class Scenario:
     resets: list[tuple[int, bool, bool]]  # (step, reset_running_requests, reset_connector)
     faults: FaultPlan
     max_pending_loads: int = 1024
+    v2_runner: bool = False  # the scheduler talks to Model Runner V2 (resumed = new requests)
     min_steps: int = 50
     max_steps: int = 600
     tags: list[str] = field(default_factory=list)  # engine-level fault kinds switched on
@@ -100,7 +101,8 @@ class Scenario:
         return (f"seed={self.seed} async={self.async_scheduling} ws={self.world_size} "
                 f"blocks={self.num_blocks} seqs={self.max_num_seqs} "
                 f"batched={self.max_num_batched_tokens} chunk={self.chunk_tokens} "
-                f"dram={self.dram_size} save_q={self.max_pending_saves} {self.policy}/"
+                f"dram={self.dram_size} save_q={self.max_pending_saves} "
+                f"{'v2 ' if self.v2_runner else ''}{self.policy}/"
                 f"{self.admission}/{self.sched_policy} reqs={len(self.requests)} "
                 f"resets={self.resets} faults={self.faults.kinds()} tags={self.tags}")
 
@@ -224,8 +226,9 @@ def make_scenario(
     resets = []  # mostly HBM only: what kvtier holds must come back through loads
     for _ in range(rng.choice((0, 1, 2, 3, 4, 5, 6))):
         resets.append((rng.randint(4, 60), rng.random() < 0.6, rng.random() < 0.15))
+    v2_runner = rng.random() < 0.25
     return Scenario(
-        seed=seed, async_scheduling=async_scheduling, world_size=world_size,
+        seed=seed, async_scheduling=async_scheduling, world_size=world_size, v2_runner=v2_runner,
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
         chunk_tokens=chunk_tokens, dram_size=dram_size, max_pending_saves=max_pending_saves,
         policy=rng.choice(("lru", "slru", "s3fifo")),
