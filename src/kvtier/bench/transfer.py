@@ -374,26 +374,34 @@ def run_phase(engine: Any, cell: Cell, kind: str, compute: Any, sync: Callable[[
                 raise RuntimeError(f"job {c.job_id}: {'twice' if c.job_id in got else c.error}")
             got[c.job_id] = c
 
-    ctx = torch.cuda.stream(compute) if compute is not None else _null()
+    # Steps: whole jobs of at most STEP_BYTES each way (at least one), so that both
+    # directions carry the same bytes per step and end together.
+    steps: list[tuple[list[Any], list[Any]]] = []
     si = li = 0
+    while si < len(saves) or li < len(loads):
+        step_l, step_s, lb, sb = [], [], 0, 0
+        while li < len(loads) and (not step_l or lb + _job_bytes(cell, loads[li]) <= STEP_BYTES):
+            lb += _job_bytes(cell, loads[li])
+            step_l.append(loads[li])
+            li += 1
+        while si < len(saves) and (not step_s or sb + _job_bytes(cell, saves[si]) <= STEP_BYTES):
+            sb += _job_bytes(cell, saves[si])
+            step_s.append(saves[si])
+            si += 1
+        steps.append((step_l, step_s))
+    ctx = torch.cuda.stream(compute) if compute is not None else _null()
     engine.trace = []
     with ctx:
         sync()
         t0 = time.perf_counter()
-        while si < len(saves) or li < len(loads):
+        for step_l, step_s in steps:
             engine.tick()
-            lb = 0
-            while li < len(loads) and lb < STEP_BYTES:
-                engine.load(loads[li])
-                lb += _job_bytes(cell, loads[li])
-                li += 1
-            sb = 0
-            while si < len(saves) and sb < STEP_BYTES:
-                engine.save(saves[si])
-                sb += _job_bytes(cell, saves[si])
-                si += 1
+            for job in step_l:
+                engine.load(job)
+            for job in step_s:
+                engine.save(job)
             collect()
-        engine.poll()  # flush
+        collect()  # flushes what is still queued
         t_enq = time.perf_counter()
         engine.drain()
         t1 = time.perf_counter()
@@ -606,7 +614,7 @@ def probe(device: Any, host: Any) -> dict[str, Any]:
         nb = 4 * GIB // piece
         name = "model.layers.0.self_attn.attn"
         lay = build_layout({name: dev.view(nb, piece)}, [GroupSpec(GroupKind.FULL, 16, (name,))],
-                           nb)
+                           nb, block_axes={name: 0})
         t = TileTable.build(lay.groups[0], 1)
         ids = torch.as_tensor(rng.permutation(nb)[: GIB // piece].astype(np.int64),
                               device=device)
@@ -871,11 +879,13 @@ def _under_gemm(eng: Any, cell: Cell, kind: str, idle: Any, sync: Callable[[], N
     GEMMs the slowdown compares."""
     import torch
 
-    pre, post = 14, 14
+    # 40 GEMMs (~60 ms) bring the card to the clock and power state of a sustained GEMM
+    # first; the last of them and 16 after the transfers are the GEMMs alone.
+    warm, pre, post = 28, 40, 16
     during = int(1.5 * alone_s * 1e3 / gemm.ms) + 8
     sync()
     evs = gemm.enqueue(pre + during + post)
-    evs[pre - 2].synchronize()  # the first GEMMs ran alone; the queue still holds the rest
+    evs[pre - 2].synchronize()  # GEMMs < pre - 2 ran alone; the queue still holds the rest
     marker = torch.cuda.Stream(idle.device)
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record(marker)
@@ -885,7 +895,7 @@ def _under_gemm(eng: Any, cell: Cell, kind: str, idle: Any, sync: Callable[[], N
     torch.cuda.synchronize()
     spot_check(cell, kind, 2)
     out = {"gbps": ph.gbps, "seconds": ph.seconds, "bytes": ph.nbytes, **ph.detail}
-    out.update(gemm.during(evs, t0, t1, skip=2))
+    out.update(gemm.during(evs, t0, t1, skip=warm))
     return out
 
 

@@ -44,7 +44,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,8 +66,12 @@ from kvtier.transfer import ChunkMover, Completion, TransferEngine
 
 logger = logging.getLogger(__name__)
 
-DMA_MIN_PIECE = 64 * 1024
-"""Default of ``dma_min_piece``: groups whose smallest piece is below it use the kernel path."""
+DMA_MIN_PIECE = 256 * 1024
+"""Default of ``dma_min_piece``: groups whose smallest piece is below it use the kernel path.
+Measured on the H200 (bench/notes/transfer.md, run 2): the driver spends ~0.5 µs of host time
+per batched-DMA descriptor, so pieces of 64 KiB cost 42 % of a core per direction at 55 GB/s
+and both directions at once became host-bound (60-85 GB/s against 93-96 with the kernel path);
+the kernel path moved 54 GB/s each way from 8 KiB pieces up."""
 BATCH_BYTES = 64 * 2**20
 STAGE_ALIGN = 256
 META_ENTRIES = 1 << 18
@@ -169,14 +173,19 @@ class _Group:
         return self.table.chunk_bytes
 
 
-@dataclass(slots=True)
 class _JobState:
-    kind: str
-    nbytes: int
-    remaining: int = 0
-    error: str = ""
-    read_events: list[Any] = field(default_factory=list)
-    seconds: float = 0.0
+    """One accepted job: its batches still running, and the events after which the blocks of
+    a save are no longer read (for fences)."""
+
+    __slots__ = ("error", "kind", "nbytes", "read_events", "remaining", "seconds")
+
+    def __init__(self, kind: str, nbytes: int) -> None:
+        self.kind = kind
+        self.nbytes = nbytes
+        self.remaining = 0
+        self.error = ""
+        self.read_events: list[Any] | None = None
+        self.seconds = 0.0
 
 
 @dataclass(slots=True)
@@ -372,7 +381,7 @@ class CudaTransferEngine(TransferEngine):
             if st is None or st.kind != "save":
                 continue
             pending = False
-            for ev in st.read_events:
+            for ev in st.read_events or ():
                 if not ev.query():
                     pending = True
                 compute.wait_event(ev)
@@ -408,7 +417,8 @@ class CudaTransferEngine(TransferEngine):
                 continue
             if err and not st.error:
                 st.error = err
-            st.seconds = max(st.seconds, secs)
+            if secs > st.seconds:
+                st.seconds = secs
             st.remaining -= 1
             if st.remaining <= 0:
                 del jobs[job_id]
@@ -454,7 +464,8 @@ class CudaTransferEngine(TransferEngine):
         ids: dict[int, list[Sequence[int]]] = {}
         slots: dict[int, list[int]] = {}
         owners: dict[int, list[int]] = {}
-        groups, states, load = self._groups, self._jobs, kind == "load"
+        groups, states, load, fault = self._groups, self._jobs, kind == "load", self.fault
+        n_groups = len(groups)
         for job in jobs:
             job_id = job.job_id
             if job_id in states:  # a caller bug; its one report is the first's
@@ -462,13 +473,15 @@ class CudaTransferEngine(TransferEngine):
                                kind, job_id)
                 continue
             nbytes = 0
+            ops = job.ops
             try:
-                for op in job.ops:
-                    if self.fault is not None:
-                        self.fault(kind, job, op)
-                    if not 0 <= op.group < len(groups):
-                        raise ValueError(f"no KV-cache group {op.group}")
-                    g = groups[op.group]
+                for op in ops:
+                    if fault is not None:
+                        fault(kind, job, op)
+                    gid = op.group
+                    if not 0 <= gid < n_groups:
+                        raise ValueError(f"no KV-cache group {gid}")
+                    g = groups[gid]
                     if len(op.block_ids) != g.bpc:
                         raise ValueError(f"{len(op.block_ids)} block ids for a {g.bpc}-block "
                                          f"chunk of group {g.gid}")
@@ -479,12 +492,11 @@ class CudaTransferEngine(TransferEngine):
             except Exception as e:  # a failed job, reported like any other
                 self._fail_now(kind, job, f"{type(e).__name__}: {e}")
                 continue
-            states[job_id] = _JobState(kind, nbytes)
-            if not job.ops:  # nothing to move
-                del states[job_id]
+            if not ops:  # nothing to move
                 self._ready.append(Completion(job_id, kind, True, 0, 0.0))
                 continue
-            for op in job.ops:
+            states[job_id] = _JobState(kind, nbytes)
+            for op in ops:
                 gid = op.group
                 if gid not in ids:
                     ids[gid], slots[gid], owners[gid] = [], [], []
@@ -574,11 +586,15 @@ class CudaTransferEngine(TransferEngine):
                 done = None
             read = done
         jobs = self._jobs
+        track = read is not None and kind == "save"
         for job_id in job_ids:
             st = jobs[job_id]
             st.remaining += 1
-            if read is not None and kind == "save":
-                st.read_events.append(read)
+            if track:
+                if st.read_events is None:
+                    st.read_events = [read]
+                else:
+                    st.read_events.append(read)
         self._inflight[kind].append(_Batch(kind, job_ids, done, start, t0, error))
         if self.trace is not None:
             self.trace.append({"kind": kind, "path": g.path, "chunks": len(slots),
