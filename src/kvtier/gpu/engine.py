@@ -9,13 +9,15 @@ Two ways to move a batch of chunks of one KV-cache group, chosen per group by pi
   overhead are paid per piece).
 - ``kernel``: a Triton gather into a bounded device staging ring (:mod:`kvtier.gpu.kernels`),
   then one DMA per chunk (per run of adjacent slots) to the host; loads in reverse. Costs a
-  short burst on a few SMs, but the link sees only chunk-sized copies. Good for small pieces.
+  short burst on up to ``max_programs`` programs (~0.6 ms per GiB on an H200), and the host
+  submits one descriptor per chunk instead of one per piece. Good for small pieces.
 
 ``mode="auto"`` (default) takes ``kernel`` for a group whose smallest piece is below
-``dma_min_piece`` and ``dma`` otherwise (the default threshold comes from
-``bench/notes/transfer.md``). Both produce exactly the bytes of :mod:`kvtier.codec`.
+``dma_min_piece`` (:data:`DMA_MIN_PIECE`, 256 KiB, measured: ``bench/notes/transfer.md``) and
+``dma`` otherwise. Both produce exactly the bytes of :mod:`kvtier.codec`.
 
-Ordering (DESIGN.md §2.6, §2.9), with side streams and events only; the host never waits:
+Ordering (DESIGN.md §2.6, §2.9), with side streams and events only; the host never waits
+(except, in theory, when the pinned id ring wraps onto an upload still in flight):
 
 - A save reads its blocks after an event recorded on the compute stream when the save was
   submitted (the end of the step's forward). Saves are batched: :meth:`save` queues the job
