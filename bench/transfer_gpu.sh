@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call (DESIGN.md §3 machine): the GPU correctness tests, then the full
 # `kvtier bench transfer`. Run from the repository root with $OUT set; extra arguments go to
-# the bench. Wheels for what the GPU image lacks (pydantic) travel in .whl/.
+# the bench. Wheels for what the GPU image lacks travel in .whl/ (git ignores it; carry it):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 \
+#     annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
 set -o pipefail
 OUT=${OUT:-/tmp/kvtier-out}
 mkdir -p "$OUT"
