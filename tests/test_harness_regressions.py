@@ -59,10 +59,26 @@ def test_request_preempted_by_reset_and_resumed_next_step_keeps_its_block_table(
     with a new block table. kvtier applied the preemptions after the step's block updates,
     wiping the resumed table; the blocks allocated afterwards were taken for the first chunks,
     so later saves copied other positions' KV under those chunks' keys (a restore of them
-    returns wrong KV; the harness sees the save read blocks the forward still writes).
+    returns wrong KV; the harness first saw the save read blocks the forward still writes).
     Fix: ``build_connector_meta`` applies preemptions before the step's block updates."""
     _check(cases.resumed_after_reset, bugs.revert_preempt_order,
-           {"block_reused_during_save", "load_wrong_bytes", "wrong_kv_read"})
+           {"save_wrong_blocks", "block_reused_during_save", "load_wrong_bytes",
+            "wrong_kv_read"})
+
+
+def test_request_scheduled_before_the_layout_handshake_is_not_saved_from_a_partial_table(
+) -> None:
+    """Bug: kvtier's scheduler half is made when the workers' layout arrives with the first
+    step's output; until then lookups are deferred (``None``). vLLM 0.32 still schedules a
+    request that skips the prefix cache (prompt logprobs: its external hit is forced to 0,
+    ``None`` included), and kvtier stops deferring after ``MAX_GEOMETRY_DEFERRALS``. The
+    blocks of such a first step were never recorded, later ones were appended to an empty
+    table, and chunk j was saved from the blocks of chunk j+k under chunk j's key: any later
+    request with that prefix restored another part of the prompt (silent corruption).
+    Fix: requests scheduled before the handshake are not saved from until a step hands over
+    their full block table (resumption)."""
+    _check(cases.scheduled_before_handshake, bugs.revert_blind_requests,
+           {"save_wrong_blocks", "load_wrong_bytes", "wrong_kv_read"}, seeds=range(4))
 
 
 def test_duplicate_completion_notice_is_reported_once() -> None:

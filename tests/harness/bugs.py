@@ -180,6 +180,20 @@ def revert_preempt_order() -> contextlib.AbstractContextManager[None]:
     return _patched(KvtierConnector, "build_connector_meta", build_connector_meta)
 
 
+def revert_blind_requests() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, a request vLLM scheduled before kvtier's scheduler half existed had
+    its later blocks appended to an empty table: chunk j was saved from chunk j+k's blocks."""
+    original = KvtierConnector.build_connector_meta
+
+    def build_connector_meta(self: KvtierConnector, scheduler_output: Any, **kwargs: Any) -> Any:
+        self._blind.clear()
+        out = original(self, scheduler_output, **kwargs)
+        self._blind.clear()
+        return out
+
+    return _patched(KvtierConnector, "build_connector_meta", build_connector_meta)
+
+
 def revert_exactly_once() -> contextlib.AbstractContextManager[None]:
     """Before the fix, the worker reported every completion its engine delivered (a duplicate
     notice crashed the scheduler half) and never asked for a lost one (the load hung)."""
@@ -209,5 +223,5 @@ def _collect_without_query(self: OffloadWorker) -> StepResult:
     return out
 
 
-__all__ = ["PLANTED", "Bug", "RequestState", "revert_exactly_once", "revert_preempt_order",
-           "revert_recycled_id"]
+__all__ = ["PLANTED", "Bug", "RequestState", "revert_blind_requests", "revert_exactly_once",
+           "revert_preempt_order", "revert_recycled_id"]

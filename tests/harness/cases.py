@@ -68,6 +68,27 @@ def resumed_after_reset(seed: int, async_scheduling: bool = False,
                  async_scheduling=async_scheduling, world_size=world_size)
 
 
+def scheduled_before_handshake(seed: int, async_scheduling: bool = False,
+                               world_size: int = 1) -> Scenario:
+    """A request that must compute every token (``skip_reading_prefix_cache``, e.g. prompt
+    logprobs) arrives before the first engine step. vLLM 0.32 schedules it although kvtier
+    deferred its lookup (vLLM forces such a request's external hit to 0, ``None`` included),
+    so it runs before kvtier's scheduler half exists (that waits for the workers' layout
+    handshake in the first step's output). Later requests share its prefix after the HBM
+    cache was dropped and restore that prefix from kvtier."""
+    rng = random.Random(seed)
+    faults = FaultPlan(exec_delay_p=0.3, exec_delay_max=2)
+    prefix = _toks(rng, 32 * rng.randint(3, 5))
+    reqs = [ReqSpec("first", "first", prefix + _toks(rng, rng.randint(1, 30)), 3, arrival=0,
+                    skip_prefix_cache=True)]
+    reqs += [ReqSpec(f"r{i}", f"r{i}", prefix + _toks(rng, rng.randint(1, 30)), 2,
+                     arrival=12 + 3 * i) for i in range(3)]
+    resets = [(s, False, False) for s in range(10, 24)]
+    # a small token budget: the first request's prefill spans several steps
+    return _base(seed, reqs, faults, resets=resets, async_scheduling=async_scheduling,
+                 world_size=world_size, max_num_batched_tokens=rng.choice((32, 48)))
+
+
 def lossy_notices(seed: int, kind: str, async_scheduling: bool = False,
                   world_size: int = 1) -> Scenario:
     """Saves and loads whose completion notices are duplicated (``kind='duplicate'``) or lost

@@ -115,15 +115,17 @@ def make_scheduler(sc: Scenario, cfg: VllmConfig, kvc: KVCacheConfig) -> Schedul
                structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK_SIZE)
 
 
-def make_request(req_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Request:
+def make_request(req_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
+                 cache_salt: str | None = None, skip_prefix_cache: bool = False) -> Request:
     global _none_hash_ready
     if not _none_hash_ready:
         init_none_hash(sha256)
         _none_hash_ready = True
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                        skip_reading_prefix_cache=skip_prefix_cache or None)
     sp.update_from_generation_config({}, None)
     return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                   pooling_params=None, priority=priority,
+                   pooling_params=None, priority=priority, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
 
 

@@ -119,7 +119,8 @@ class Driver:
                 done = self.finished_at.get(spec.after)
                 ready = ready and done is not None and done + spec.gap <= self.clock
             if ready and spec.req_id not in used_ids and spec.req_id not in sched.requests:
-                req = make_request(spec.req_id, spec.prompt, spec.max_tokens, spec.priority)
+                req = make_request(spec.req_id, spec.prompt, spec.max_tokens, spec.priority,
+                                   spec.cache_salt, spec.skip_prefix_cache)
                 sched.add_request(req)
                 self.live[spec.key] = (spec, req, self.clock)
                 used_ids.add(spec.req_id)

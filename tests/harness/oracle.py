@@ -102,6 +102,10 @@ class Oracle:
             if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req_id not in self.parked
                     and req_id not in released):
                 self.parked[req_id] = Parked(self.step, req)
+                if getattr(req, "skip_reading_prefix_cache", False):
+                    self.violation("load_despite_skip_reading",
+                                   f"{req_id} must compute every token (prompt logprobs) but "
+                                   "was parked for a load")
 
     def after_update(self) -> None:
         for req_id, p in self.parked.items():
@@ -187,6 +191,8 @@ class Oracle:
                                    f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}) reads "
                                    f"slot {s} while a save into it has not run on some rank")
             else:
+                req = self.scheduler.requests.get(t.job.req_id)
+                t.salt = getattr(req, "cache_salt", None) if req is not None else "<gone>"
                 if tr.loads_in_flight.get(s):
                     self.violation("slot_overwritten_during_load",
                                    f"rank {t.rank} save job {t.job.job_id} writes slot {s} while "
@@ -196,6 +202,39 @@ class Oracle:
                 if others:
                     self.violation("slot_double_write", f"rank {t.rank} save job {t.job.job_id} "
                                    f"writes slot {s} while another save into it is in flight")
+
+    def on_save_submitted(self, t: Transfer) -> None:
+        """A save reads whole, computed blocks of its request, consecutive in vLLM's block
+        table from a chunk boundary, holding that request's prefix (checked on the bytes)."""
+        req = self.scheduler.requests.get(t.job.req_id)
+        if req is None:
+            self.violation("save_wrong_blocks", f"rank {t.rank} save job {t.job.job_id} for "
+                           f"{t.job.req_id}, which vLLM no longer knows")
+            return
+        table = list(self.scheduler.kv_cache_manager.get_block_ids(t.job.req_id)[0])
+        tokens = list(req.all_token_ids)
+        cache = self.runners[t.rank].cache
+        for op in t.job.ops:
+            idx = [table.index(b) if b in table else -1 for b in op.block_ids]
+            bpc = len(op.block_ids)
+            first = t.job.chunk * bpc  # the chunk the save claims to store
+            if idx != list(range(first, first + bpc)):
+                self.violation("save_wrong_blocks",
+                               f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) stores "
+                               f"chunk {t.job.chunk} from blocks {op.block_ids}, which are at "
+                               f"positions {idx} of its block table {table}")
+                return
+            end = (idx[-1] + 1) * BLOCK_SIZE
+            chain = np.asarray(content.chain_of(tokens[:end]), dtype=np.uint64)
+            for k, b in zip(idx, op.block_ids):
+                bad = cache.mismatch(np.full(BLOCK_SIZE, b), np.arange(BLOCK_SIZE),
+                                     chain[k * BLOCK_SIZE:(k + 1) * BLOCK_SIZE])
+                if bad >= 0:
+                    self.violation("save_wrong_bytes",
+                                   f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) "
+                                   f"reads block {b} (position {k * BLOCK_SIZE + bad}), which "
+                                   "does not hold its prefix's bytes")
+                    return
 
     def on_save_run(self, t: Transfer) -> None:
         cache = self.runners[t.rank].cache
@@ -216,7 +255,18 @@ class Oracle:
         tokens = list(req.all_token_ids)
         cache = self.runners[t.rank].cache
         chain = None
+        tr = self.transport
+        assert tr is not None
         for op in t.ops_done:
+            where = (t.rank, t.mover.slot_class[op.group], op.slot)
+            if where not in tr.slot_salt:
+                self.violation("load_wrong_bytes", f"rank {t.rank} load job {t.job.job_id} "
+                               f"({t.job.req_id}) reads slot {where[1:]} no save ever wrote")
+            elif tr.slot_salt[where] != req.cache_salt:
+                self.violation("cross_tenant_load",
+                               f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}, "
+                               f"cache_salt {req.cache_salt!r}) reads slot {where[1:]} written "
+                               f"for cache_salt {tr.slot_salt[where]!r}")
             for b in op.block_ids:
                 if b == SKIP:
                     continue

@@ -45,6 +45,7 @@ class Transfer:
     mover: ChunkMover
     ready: tuple[int, int]  # (step, phase): runs at the first hook at or after it
     outcome: str = "ok"  # "ok" | "fail" | "partial"
+    salt: object = None  # saves: the cache_salt of the request it saves for
     snapshot: dict[int, int] = field(default_factory=dict)  # saves: block -> write tag
     done: bool = False
     completion: Completion | None = None
@@ -71,6 +72,8 @@ class Transport:
         self.loads_in_flight: dict[tuple[int, int], dict[int, int]] = {}
         self.caches: list[object] = [None] * world_size  # FakeCache per rank (set by runner)
         self.load_outcomes: list[dict[str, list[Transfer]]] = [{} for _ in range(world_size)]
+        # (rank, slot class, slot) -> cache_salt of the request whose save last wrote it
+        self.slot_salt: dict[tuple[int, int, int], object] = {}
 
     # -- time --------------------------------------------------------------------------------
     def advance(self) -> None:
@@ -114,6 +117,8 @@ class Transport:
         for s in slots:
             table.setdefault(s, {})[t.tid] = job.job_id
         if kind == "save":
+            if self.oracle is not None:
+                self.oracle.on_save_submitted(t)
             cache = self.caches[rank]
             t.snapshot = {b: cache.tag(b) for op in job.ops for b in op.block_ids  # type: ignore[attr-defined]
                           if b != SKIP}
@@ -177,6 +182,8 @@ class Transport:
                     self.caches[t.rank].touch(  # type: ignore[attr-defined]
                         [b for b in op.block_ids if b != SKIP])
                 t.ops_done.append(op)
+                if t.kind == "save":
+                    self.slot_salt[(t.rank, t.mover.slot_class[op.group], op.slot)] = t.salt
         except Exception as e:  # a copy that raises is a failed transfer, and an oracle finding
             error = f"{type(e).__name__}: {e}"
             if self.oracle is not None:

@@ -72,6 +72,8 @@ class ReqSpec:
     abort_after: int | None = None  # abort this many steps after it was added
     abort_when_parked: bool = False  # abort as soon as it waits for a load
     recycles: str | None = None  # the spec whose id this one reuses
+    cache_salt: str | None = None  # tenant: never shares KV with another salt
+    skip_prefix_cache: bool = False  # e.g. prompt logprobs: every token must be computed
 
 
 @dataclass
@@ -206,6 +208,11 @@ def make_scenario(
             after = None
         spec = ReqSpec(key, f"req-{i}", prompt, max_tokens, arrival,
                        priority=rng.randint(0, 3), after=after, gap=gap)
+        t = rng.random()
+        if t < 0.2:
+            spec.cache_salt = rng.choice(("tenant-a", "tenant-b"))
+        elif t < 0.26:
+            spec.skip_prefix_cache = True
         r = rng.random()
         if r < 0.12:
             spec.abort_after = rng.randint(0, 12)

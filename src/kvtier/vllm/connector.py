@@ -120,6 +120,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._last_output = time.monotonic()
         self._last_counts: dict[str, Any] = {}
         self._prefill_tokens = 0
+        # requests vLLM scheduled before the scheduler half existed: their block tables are
+        # unknown, so nothing is saved from them until a step hands over a full table
+        self._blind: set[str] = set()
         # worker half
         self._worker: OffloadWorker | None = None
         self._geometry: WorkerGeometry | None = None
@@ -138,6 +141,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Any, **kwargs: Any) -> None:
         self._requests[request.request_id] = request
+        self._blind.discard(request.request_id)
         if self._sched is not None:
             # always a new lifecycle: vLLM may reuse the id of a finished request whose saves
             # are still in flight, and that request's keys are not this one's
@@ -199,6 +203,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any, **kwargs: Any) -> KVConnectorMetadata:
         sched = self._sched
         if sched is None or self.groups is None:
+            # vLLM can schedule a request before the layout handshake made the scheduler half
+            # (0.32 forces the hit of a request that skips the prefix cache to 0, even when
+            # kvtier deferred it; kvtier stops deferring after MAX_GEOMETRY_DEFERRALS)
+            self._blind.update(scheduler_output.num_scheduled_tokens)
             return KvtierMetadata(StepPlan(), geometry_known=False)
         groups = self.groups
         # Preemptions first: a request preempted since the last step (reset_prefix_cache with
@@ -210,6 +218,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if nr.req_id in self._requests:
                 self._ensure_request(self._requests[nr.req_id])
             sched.on_blocks(nr.req_id, groups.to_kvtier(nr.block_ids), replace=True)
+            self._blind.discard(nr.req_id)  # a full table
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         resumed_flags = getattr(cached, "resumed_from_preemption", None)
@@ -218,6 +227,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
             if new_ids is not None:
                 sched.on_blocks(req_id, groups.to_kvtier(new_ids), replace=is_resumed)
+                if is_resumed:
+                    self._blind.discard(req_id)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             dst = getattr(copy, "dst_block_id", None)
             if dst is not None:
@@ -226,7 +237,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         prefill = 0
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
-            if req is None:
+            if req is None or req_id in self._blind:
                 continue
             computed_after = req.num_computed_tokens + n_sched - len(spec.get(req_id, ()))
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -280,6 +291,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: Any, **kwargs: Any
                                     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._blind.discard(request.request_id)
         if self._sched is not None:
             self._sched.request_finished(request.request_id)
         # Never hold blocks: saves in flight are fenced when their blocks are reallocated.
