@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
-from tests._fake_openai import FakeServer, FakeState
 
 from kvtier.bench.client import LoadShape, RequestResult, discover_model, drive, send
 from kvtier.bench.workloads import AgentSessions, NoReuse, RequestSpec, SharedPrefix
+from tests._fake_openai import FakeServer, FakeState
 
 
 def _run(state: FakeState, coro_fn):  # type: ignore[no-untyped-def]

@@ -79,6 +79,9 @@ def test_table_and_ratio_line() -> None:
     assert ratio_lines([kvt, base]) == [
         "HBM-only vs kvtier: median TTFT of repeated-prefix requests 6.0x higher"]
     assert ratio_lines([base]) == []
+    plain = [summarize(n, [_req(0, 0, t, 0)], 1.0, {}, 256, False) for n, t in (("a", 0.2),
+                                                                              ("b", 0.4))]
+    assert ratio_lines(plain) == ["b vs a: median TTFT (no repeated prefixes) 2.0x higher"]
 
 
 def test_json_and_plot_files(tmp_path: str) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -74,14 +75,15 @@ def ratio_lines(summaries: Sequence[Summary]) -> list[str]:
     out = []
     for s in summaries[1:]:
         r = ttft_ratio(base, s)
+        what = "median TTFT of repeated-prefix requests"
+        if r is None and base.ttft_p50_ms and s.ttft_p50_ms:  # e.g. no-reuse: all requests
+            r, what = base.ttft_p50_ms / s.ttft_p50_ms, "median TTFT (no repeated prefixes)"
         if r is None:
-            out.append(f"{s.name} vs {base.name}: no repeated-prefix requests to compare")
+            out.append(f"{s.name} vs {base.name}: no requests to compare")
         elif r >= 1:
-            out.append(f"{s.name} vs {base.name}: median TTFT of repeated-prefix requests "
-                       f"{r:.1f}x lower")
+            out.append(f"{s.name} vs {base.name}: {what} {r:.1f}x lower")
         else:
-            out.append(f"{s.name} vs {base.name}: median TTFT of repeated-prefix requests "
-                       f"{1 / r:.1f}x higher")
+            out.append(f"{s.name} vs {base.name}: {what} {1 / r:.1f}x higher")
     return out
 
 
@@ -115,7 +117,7 @@ def git_commit() -> str | None:
 
 def metadata(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["kvtier", *(sys.argv[1:] if argv is None else argv)]),
+            "command": shlex.join(["kvtier", *(sys.argv[1:] if argv is None else argv)]),
             "kvtier_commit": git_commit(), "machine": machine()}
 
 

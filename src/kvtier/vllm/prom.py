@@ -23,8 +23,9 @@ import logging
 import re
 from typing import Any
 
-from kvtier.planner import Decline
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from kvtier.planner import Decline
 
 PREFIX = "vllm:kvtier_"
 GAUGE = "gauge_"
