@@ -9,8 +9,13 @@ finds it. The second half keeps the test honest when scenarios or kvtier change.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +24,8 @@ from harness.driver import run_scenario
 from harness.workload import Scenario
 
 COMBOS = [(False, 1), (True, 1), (False, 2), (True, 2)]
+ROOT = Path(__file__).resolve().parent.parent
+VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
 
 
 def _run(make: Callable[[int, bool, int], Scenario], seeds: range,
@@ -99,3 +106,42 @@ def test_lost_completion_notice_is_recovered_by_query() -> None:
     jobs in flight for ``REQUERY_STEPS`` collects."""
     _check(lambda s, a, w: cases.lossy_notices(s, "drop", a, w), bugs.revert_exactly_once,
            {"not_drained", "parked_too_long"})
+
+
+@pytest.mark.vllm025
+def test_priority_scheduler_on_vllm025_never_leaves_a_parked_load_behind_a_blocked_request(
+) -> None:
+    """Bug (found on vLLM 0.25.1 only): its priority scheduler compares the heads of the
+    waiting queue and of the skipped queue (where requests parked for a load wait) by
+    priority, and stops at the first request it cannot allocate. A low-priority request parked
+    for a kvtier load holds its blocks; a higher-priority request that needs more blocks than
+    are left heads the waiting queue, cannot be allocated, and the parked request is never
+    promoted: the engine stops serving. vLLM 0.32 drains block-holding requests first.
+    Fix: kvtier turns loads off (saves stay on, with a warning) under the priority policy on a
+    vLLM whose scheduler does not drain block-holding requests first."""
+    if not (VLLM025 / "vllm" / "__init__.py").exists():
+        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
+    env = dict(os.environ, PYTHONPATH=f"{VLLM025}{os.pathsep}{ROOT / 'tests'}",
+               VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.run", "--case", "priority_parked", "--revert",
+         "priority_loads"], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+        timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["version"].startswith("0.25")
+    assert set(out["fixed"]) == {"ok"}, out
+    assert "not_drained" in out["reverted"], out
+
+
+def test_priority_scheduler_on_vllm032_keeps_loads() -> None:
+    """The same family on vLLM 0.32 (block-holding requests first): loads stay on and the
+    engine drains."""
+    loads = 0
+    for seed in range(4):
+        for async_sched, ws in COMBOS:
+            r = run_scenario(cases.priority_parked(seed, async_sched, ws))
+            assert r.ok, r.violation
+            loads += r.counts.get("loads_started", 0)
+    assert loads > 0

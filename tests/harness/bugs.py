@@ -194,6 +194,14 @@ def revert_blind_requests() -> contextlib.AbstractContextManager[None]:
     return _patched(KvtierConnector, "build_connector_meta", build_connector_meta)
 
 
+def revert_priority_loads() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, kvtier promised loads under vLLM 0.25.1's priority scheduler, which
+    can leave the parked request behind a higher-priority one that needs its blocks."""
+    import kvtier.vllm.connector as connector_module
+
+    return _patched(connector_module, "_parked_requests_drained_first", lambda: True)
+
+
 def revert_exactly_once() -> contextlib.AbstractContextManager[None]:
     """Before the fix, the worker reported every completion its engine delivered (a duplicate
     notice crashed the scheduler half) and never asked for a lost one (the load hung)."""
@@ -223,5 +231,14 @@ def _collect_without_query(self: OffloadWorker) -> StepResult:
     return out
 
 
-__all__ = ["PLANTED", "Bug", "RequestState", "revert_blind_requests", "revert_exactly_once",
-           "revert_preempt_order", "revert_recycled_id"]
+REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "recycled_id": revert_recycled_id,
+    "preempt_order": revert_preempt_order,
+    "blind_requests": revert_blind_requests,
+    "priority_loads": revert_priority_loads,
+    "exactly_once": revert_exactly_once,
+}
+
+__all__ = ["PLANTED", "REVERTS", "Bug", "RequestState", "revert_blind_requests",
+           "revert_exactly_once", "revert_preempt_order", "revert_priority_loads",
+           "revert_recycled_id"]

@@ -89,6 +89,31 @@ def scheduled_before_handshake(seed: int, async_scheduling: bool = False,
                  world_size=world_size, max_num_batched_tokens=rng.choice((32, 48)))
 
 
+def priority_parked(seed: int, async_scheduling: bool = False, world_size: int = 1) -> Scenario:
+    """Priority scheduling and block pressure: a low-priority request is parked for a load,
+    holding its blocks, when a high-priority request arrives that needs more blocks than the
+    parked one leaves free. vLLM 0.25.1's priority scheduler compares the heads of its
+    waiting and skipped (parked) queues by priority and stops at the first request it cannot
+    allocate, so the parked request is never promoted and the engine never drains; 0.32
+    drains block-holding requests first."""
+    rng = random.Random(seed)
+    faults = FaultPlan(exec_delay_p=1.0, exec_delay_max=3)
+    parked = _toks(rng, 176 + 16 * rng.randint(0, 2))
+    big = 224 + 16 * rng.randint(0, 2)
+    reqs = [
+        ReqSpec("store", "store", parked, 2, arrival=0, priority=3),
+        ReqSpec("parked", "parked", parked + _toks(rng, 4), 2, arrival=8, priority=3,
+                after="store", gap=2),
+        ReqSpec("urgent", "urgent", _toks(rng, big), 2, arrival=9, priority=0, after="store",
+                gap=3),
+    ]
+    reqs += [ReqSpec(f"f{i}", f"f{i}", _toks(rng, rng.randint(5, 30)), 2, arrival=20 + i)
+             for i in range(6)]
+    resets = [(s, False, False) for s in range(3, 12)]
+    return _base(seed, reqs, faults, resets=resets, num_blocks=24, sched_policy="priority",
+                 max_steps=200, async_scheduling=async_scheduling, world_size=world_size)
+
+
 def lossy_notices(seed: int, kind: str, async_scheduling: bool = False,
                   world_size: int = 1) -> Scenario:
     """Saves and loads whose completion notices are duplicated (``kind='duplicate'``) or lost
@@ -104,3 +129,13 @@ def lossy_notices(seed: int, kind: str, async_scheduling: bool = False,
     resets = [(4 * i + 2, False, False) for i in range(8)]
     return _base(seed, reqs, faults, resets=resets, async_scheduling=async_scheduling,
                  world_size=world_size)
+
+
+CASES = {
+    "recycled_id": recycled_id,
+    "resumed_after_reset": resumed_after_reset,
+    "scheduled_before_handshake": scheduled_before_handshake,
+    "priority_parked": priority_parked,
+    "duplicate_notices": lambda s, a=False, w=1: lossy_notices(s, "duplicate", a, w),
+    "lost_notices": lambda s, a=False, w=1: lossy_notices(s, "drop", a, w),
+}

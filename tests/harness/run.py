@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bugs import PLANTED, Bug
+from .bugs import PLANTED, REVERTS, Bug
+from .cases import CASES
 from .compat import VERSION
 from .driver import Result, run_scenario
 from .workload import Scenario, make_scenario
@@ -106,6 +107,18 @@ def catch_planted(seed: int = 1000, max_scenarios: int = 120) -> dict[str, dict[
     return out
 
 
+def run_case(name: str, revert: str | None = None, seeds: range = range(4)) -> dict[str, int]:
+    """Findings (or "ok") of a regression family over every combo, optionally reverted."""
+    found: Counter[str] = Counter()
+    for seed in seeds:
+        for async_sched, ws in COMBOS:
+            sc = CASES[name](seed, async_sched, ws)
+            with REVERTS[revert]() if revert else contextlib.nullcontext():
+                r = run_scenario(sc)
+            found[r.violation.kind if r.violation else "ok"] += 1
+    return dict(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__)
     ap.add_argument("--scenarios", type=int, default=400)
@@ -115,10 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", metavar="SEED,ASYNC,WS",
                     help="run one scenario, e.g. 137,1,2 (seed 137, AsyncScheduler, 2 ranks)")
     ap.add_argument("--trace", action="store_true", help="with --one: print every step")
+    ap.add_argument("--case", choices=sorted(CASES),
+                    help="run a regression family (seeds 0-3, every combo); with --revert, "
+                    "also with that fix reverted")
+    ap.add_argument("--revert", choices=sorted(REVERTS))
     ap.add_argument("--planted", action="store_true",
                     help="run each planted bug until the oracle catches it (JSON with --json)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.case:
+        out = {"version": VERSION, "fixed": run_case(args.case)}
+        if args.revert:
+            out["reverted"] = run_case(args.case, args.revert)
+        print(json.dumps(out))
+        return 0
     if args.planted:
         caught = catch_planted(args.seed or 1000)
         if args.json == "-":

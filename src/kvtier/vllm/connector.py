@@ -106,6 +106,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtier: this vLLM reports load failures per block, which it cannot "
                            "map with %d KV-cache groups: saving only, loads are off",
                            len(self.groups.engine_ids))
+        sched_policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
+        if (role == KVConnectorRole.SCHEDULER and self.loads_enabled
+                and sched_policy == "priority" and not _parked_requests_drained_first()):
+            self.loads_enabled = False
+            logger.warning("kvtier: this vLLM's priority scheduler can leave a request parked "
+                           "for a load behind a higher-priority request that needs its blocks "
+                           "(a deadlock): saving only, loads are off; use the fcfs policy or "
+                           "vLLM >= 0.32")
         if self.disabled_reason:
             logger.warning("kvtier is off for this engine: %s", self.disabled_reason)
         self.replicated = bool(getattr(vllm_config.model_config, "use_mla", False)) and (
@@ -486,6 +494,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def _parked_requests_drained_first() -> bool:
+    """Whether vLLM's scheduler admits requests that hold KV blocks (parked loads) before the
+    others. 0.32 keeps them in a queue of their own, drained first; 0.25.1's priority policy
+    compares the heads of its waiting and skipped queues by priority and stops at the first
+    request it cannot allocate, which can be one that needs the parked request's blocks."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:  # pragma: no cover
+        return True
+    return hasattr(Scheduler, "_holds_kv_blocks")
 
 
 def _rank() -> int:
