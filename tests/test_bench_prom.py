@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvtier.bench import scrape
 from kvtier.planner import Decline
-from kvtier.vllm.prom import COUNTERS, GAUGES, KvtierPromMetrics
+from kvtier.vllm.prom import COUNTERS, DOCS, GAUGES, KvtierPromMetrics
 from kvtier.vllm.stats import KvtierStats
 
 LABELS = {"engine": "0", "model_name": "m"}
@@ -52,10 +52,13 @@ def test_every_series_exists_at_zero_before_traffic(prom: Any) -> None:
     for reason in Decline:
         assert _v(s, "vllm:kvtier_loads_declined_total", reason=reason.value) == 0
     names = {k.partition("{")[0] for k in s}
-    for name, _labels, _ in COUNTERS.values():
+    for name, _labels in COUNTERS.values():
         assert f"vllm:kvtier_{name}_total" in names
-    for name, _ in GAUGES.values():
+    for name in GAUGES.values():
         assert f"vllm:kvtier_{name}" in names
+    fixed = {n for n, _ in COUNTERS.values()} | set(GAUGES.values()) | {
+        "loads_declined", "saves_dropped", "occupancy", "transfer_gbps"}
+    assert fixed <= set(DOCS)  # every fixed series has its own documentation
 
 
 def test_observe_maps_stats_to_series(prom: Any) -> None:

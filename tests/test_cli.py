@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvtier import bench
+from kvtier.bench.serving import free_port
 from kvtier.cli import main, settings_doc
 from kvtier.config import KvtierConfig
 from kvtier.vllm import serve
@@ -96,11 +96,6 @@ def test_bench_rejects_bad_load_before_running(capsys: pytest.CaptureFixture[str
         main(["bench", "--concurrency", "2", "--rate", "1"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _fake_server(port: int, kvtier: bool = True, log: Any = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--kvtier",
@@ -110,7 +105,7 @@ def _fake_server(port: int, kvtier: bool = True, log: Any = None) -> subprocess.
 
 @pytest.fixture
 def fake_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = _fake_server(port)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -14,7 +14,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from kvtier.bench import scrape
 from kvtier.bench.client import LoadShape, drive
+from kvtier.bench.serving import free_port
 from kvtier.bench.workloads import NoReuse, SharedPrefix
 from kvtier.planner import Decline
 from kvtier.vllm.prom import COUNTERS, GAUGES
@@ -33,11 +33,6 @@ pytestmark = pytest.mark.e2e
 READY = re.compile(r"kvtier serve: ready\. OpenAI API (\S+)/v1 ; metrics (\S+/metrics)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -45,8 +40,8 @@ def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", tiny_llama_dir, "--dram-size", "4MiB",
-           "--policy", "lru", "--kvtier-set", "cost_model=false", "--host", "127.0.0.1", "--port", str(_free_port()),
-           "--load-format", "dummy", "--dtype", "float32", "--block-size", "32",
+           "--policy", "lru", "--kvtier-set", "cost_model=false", "--host", "127.0.0.1",
+           "--port", str(free_port()), "--load-format", "dummy", "--dtype", "float32", "--block-size", "32",
            "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "1024",
            "--num-gpu-blocks-override", "40", "--max-num-seqs", "2"]
     with open(log_path, "wb") as log:
@@ -105,9 +100,9 @@ def test_metrics_carry_every_kvtier_series(server: tuple[str, str]) -> None:
 
     # every series kvtier defines is there
     names = {k.partition("{")[0] for k in s}
-    for name, _labels, _doc in COUNTERS.values():
+    for name, _labels in COUNTERS.values():
         assert f"vllm:kvtier_{name}_total" in names
-    for name, _doc in GAUGES.values():
+    for name in GAUGES.values():
         assert f"vllm:kvtier_{name}" in names
     for extra in ("occupancy", "transfer_gbps"):
         assert f"vllm:kvtier_{extra}" in names

@@ -190,7 +190,8 @@ def _progress(name: str, load: LoadShape, off: bool) -> Any:
                 dynamic_ncols=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -217,7 +218,7 @@ def run_compare(args: argparse.Namespace, out_dir: str) -> list[Run]:
     for name, argv in parse_compare(args.compare):
         sa = serve.parse(argv)
         if serve.flag_value(sa.vllm_args, "--port") is None:
-            sa.vllm_args += ["--port", str(_free_port())]
+            sa.vllm_args += ["--port", str(free_port())]
         if serve.flag_value(sa.vllm_args, "--host") is None:
             sa.vllm_args += ["--host", "127.0.0.1"]
         url = serve.base_url(sa.vllm_args)

@@ -30,54 +30,72 @@ from kvtier.planner import Decline
 PREFIX = "vllm:kvtier_"
 GAUGE = "gauge_"
 
-# stats key -> (metric name without prefix, extra labels, documentation)
-COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
-    "lookups": ("lookups", {}, "Lookups of waiting requests in kvtier's index."),
-    "hits": ("hits", {}, "Lookups that found stored chunks beyond the HBM hit and decided to "
-             "load them."),
-    "hit_tokens": ("hit_tokens", {}, "Prompt tokens kvtier promised to vLLM (decided loads)."),
-    "loaded_tokens": ("restored_tokens", {}, "Prompt tokens restored from kvtier by loads that "
-                      "completed on every rank (prefill work avoided)."),
-    "loads_started": ("loads", {"outcome": "started"}, "Load jobs, by outcome."),
-    "loads_ok": ("loads", {"outcome": "ok"}, "Load jobs, by outcome."),
-    "loads_failed": ("loads", {"outcome": "failed"}, "Load jobs, by outcome."),
-    "saves_planned": ("saves", {"outcome": "planned"}, "Chunk saves, by outcome."),
-    "saves_committed": ("saves", {"outcome": "committed"}, "Chunk saves, by outcome."),
-    "saves_failed": ("saves", {"outcome": "failed"}, "Chunk saves, by outcome."),
-    "evictions": ("evictions", {}, "Chunks evicted from the DRAM tier to make room."),
-    "bytes_saved": ("transfer_bytes", {"direction": "save"}, "Bytes moved between the KV "
-                    "cache and the DRAM tier, per direction (save: device to host)."),
-    "bytes_loaded": ("transfer_bytes", {"direction": "load"}, "Bytes moved between the KV "
-                     "cache and the DRAM tier, per direction (save: device to host)."),
-    "save_seconds": ("transfer_seconds", {"direction": "save"}, "Seconds transfers took, per "
-                     "direction (summed over ranks and concurrent jobs)."),
-    "load_seconds": ("transfer_seconds", {"direction": "load"}, "Seconds transfers took, per "
-                     "direction (summed over ranks and concurrent jobs)."),
-    "save_jobs": ("transfer_jobs", {"direction": "save"}, "Transfer jobs finished by workers, "
-                  "per direction (one per rank)."),
-    "load_jobs": ("transfer_jobs", {"direction": "load"}, "Transfer jobs finished by workers, "
-                  "per direction (one per rank)."),
-    "transfer_failures": ("transfer_failures", {}, "Worker transfer jobs that failed (the "
-                          "load is recomputed, the save dropped)."),
-    "fences": ("fences", {}, "Saves fenced because their source blocks were reallocated or "
-               "their request preempted."),
-    "fences_waited": ("fences_waited", {}, "Fences a worker had to wait for."),
-    "unsaveable_requests": ("unsaveable_requests", {}, "Requests with extra keys kvtier "
-                            "cannot include (neither saved nor loaded)."),
-    "resets": ("resets", {}, "Resets of the DRAM tier (reset_prefix_cache with the connector)."),
+# metric name (without PREFIX) -> its documentation
+DOCS: dict[str, str] = {
+    "lookups": "Lookups of waiting requests in kvtier's index.",
+    "hits": "Lookups that found stored chunks beyond the HBM hit and decided to load them.",
+    "hit_tokens": "Prompt tokens kvtier promised to vLLM (decided loads).",
+    "restored_tokens": "Prompt tokens restored from kvtier by loads that completed on every "
+    "rank (prefill work avoided).",
+    "loads": "Load jobs, by outcome.",
+    "loads_declined": "Hits not loaded, by reason.",
+    "saves": "Chunk saves, by outcome.",
+    "saves_dropped": "Chunk saves dropped before they started, by reason.",
+    "evictions": "Chunks evicted from the DRAM tier to make room.",
+    "transfer_bytes": "Bytes moved between the KV cache and the DRAM tier, per direction "
+    "(save: device to host).",
+    "transfer_seconds": "Seconds transfers took, per direction (summed over ranks and "
+    "concurrent jobs).",
+    "transfer_jobs": "Transfer jobs finished by workers, per direction (one per rank).",
+    "transfer_gbps": "GB/s of the latest step that moved bytes, per direction.",
+    "transfer_failures": "Worker transfer jobs that failed (the load is recomputed, the save "
+    "dropped).",
+    "fences": "Saves fenced because their source blocks were reallocated or their request "
+    "preempted.",
+    "fences_waited": "Fences a worker had to wait for.",
+    "unsaveable_requests": "Requests with extra keys kvtier cannot include (neither saved nor "
+    "loaded).",
+    "resets": "Resets of the DRAM tier (reset_prefix_cache with the connector).",
+    "slots_used": "DRAM-tier slots holding a chunk (or being written).",
+    "slots_total": "DRAM-tier slots.",
+    "occupancy": "Share of DRAM-tier slots in use (slots_used / slots_total).",
+    "chunk_tokens": "Tokens per stored chunk.",
 }
-DECLINED = ("loads_declined", "Hits not loaded, by reason.")
-DROPPED = ("saves_dropped", "Chunk saves dropped before they started, by reason.")
+
+# stats key -> (metric name, extra labels); declined_<reason> and saves_dropped_<reason> too
+COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "lookups": ("lookups", {}),
+    "hits": ("hits", {}),
+    "hit_tokens": ("hit_tokens", {}),
+    "loaded_tokens": ("restored_tokens", {}),
+    "loads_started": ("loads", {"outcome": "started"}),
+    "loads_ok": ("loads", {"outcome": "ok"}),
+    "loads_failed": ("loads", {"outcome": "failed"}),
+    "saves_planned": ("saves", {"outcome": "planned"}),
+    "saves_committed": ("saves", {"outcome": "committed"}),
+    "saves_failed": ("saves", {"outcome": "failed"}),
+    "evictions": ("evictions", {}),
+    "bytes_saved": ("transfer_bytes", {"direction": "save"}),
+    "bytes_loaded": ("transfer_bytes", {"direction": "load"}),
+    "save_seconds": ("transfer_seconds", {"direction": "save"}),
+    "load_seconds": ("transfer_seconds", {"direction": "load"}),
+    "save_jobs": ("transfer_jobs", {"direction": "save"}),
+    "load_jobs": ("transfer_jobs", {"direction": "load"}),
+    "transfer_failures": ("transfer_failures", {}),
+    "fences": ("fences", {}),
+    "fences_waited": ("fences_waited", {}),
+    "unsaveable_requests": ("unsaveable_requests", {}),
+    "resets": ("resets", {}),
+}
 KNOWN_DROP_REASONS = ("already_stored", "parent_not_stored", "no_evictable_slot",
                       "save_queue_full", "admission", "blocks_missing")
 
-GAUGES: dict[str, tuple[str, str]] = {
-    "gauge_slots_used": ("slots_used", "DRAM-tier slots holding a chunk (or being written)."),
-    "gauge_slots_total": ("slots_total", "DRAM-tier slots."),
-    "gauge_chunk_tokens": ("chunk_tokens", "Tokens per stored chunk."),
+# stats key -> gauge name
+GAUGES: dict[str, str] = {
+    "gauge_slots_used": "slots_used",
+    "gauge_slots_total": "slots_total",
+    "gauge_chunk_tokens": "chunk_tokens",
 }
-OCCUPANCY = ("occupancy", "Share of DRAM-tier slots in use (slots_used / slots_total).")
-GBPS = ("transfer_gbps", "GB/s of the latest step that moved bytes, per direction.")
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 logger = logging.getLogger("kvtier")
@@ -106,20 +124,18 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         self._families: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._children: dict[tuple[int, str, str, tuple[tuple[str, str], ...]], Any] = {}
         for engine in per_engine_labelvalues:
-            for name, labels, doc in COUNTERS.values():
-                self._series(engine, "counter", name, labels, doc)
+            for name, labels in COUNTERS.values():
+                self._series(engine, "counter", name, labels)
             for reason in Decline:
-                self._series(engine, "counter", DECLINED[0], {"reason": reason.value},
-                             DECLINED[1])
+                self._series(engine, "counter", "loads_declined", {"reason": reason.value})
             for reason in KNOWN_DROP_REASONS:
-                self._series(engine, "counter", DROPPED[0], {"reason": reason}, DROPPED[1])
-            for name, doc in (*GAUGES.values(), OCCUPANCY):
-                self._series(engine, "gauge", name, {}, doc)
+                self._series(engine, "counter", "saves_dropped", {"reason": reason})
+            for name in (*GAUGES.values(), "occupancy"):
+                self._series(engine, "gauge", name, {})
             for direction in ("save", "load"):
-                self._series(engine, "gauge", GBPS[0], {"direction": direction}, GBPS[1])
+                self._series(engine, "gauge", "transfer_gbps", {"direction": direction})
 
-    def _series(self, engine: int, kind: str, name: str, labels: dict[str, str], doc: str
-                ) -> Any:
+    def _series(self, engine: int, kind: str, name: str, labels: dict[str, str]) -> Any:
         """The child of metric ``vllm:kvtier_<name>`` for this engine and these labels."""
         lk = tuple(sorted(labels.items()))
         child = self._children.get((engine, kind, name, lk))
@@ -129,6 +145,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         family = self._families.get((kind, name, extra))
         if family is None:
             full = PREFIX + name
+            doc = DOCS.get(name, f"kvtier {kind} {name}.")
             try:
                 if kind == "counter":
                     family = self._counter_cls(name=full, documentation=doc,
@@ -151,30 +168,29 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             if key.startswith(GAUGE):
-                name, doc = GAUGES.get(key, (_clean(key[len(GAUGE):]), f"kvtier gauge {key}."))
-                self._series(engine_idx, "gauge", name, {}, doc).set(value)
+                name = GAUGES.get(key) or _clean(key[len(GAUGE):])
+                self._series(engine_idx, "gauge", name, {}).set(value)
                 continue
             if value < 0:
                 continue  # counters only go up; a negative delta means a restarted source
             if key in COUNTERS:
-                name, labels, doc = COUNTERS[key]
+                name, labels = COUNTERS[key]
             elif key.startswith("declined_"):
-                name, labels, doc = DECLINED[0], {"reason": key[len("declined_"):]}, DECLINED[1]
+                name, labels = "loads_declined", {"reason": key[len("declined_"):]}
             elif key.startswith("saves_dropped_"):
-                name, labels, doc = (DROPPED[0], {"reason": key[len("saves_dropped_"):]},
-                                     DROPPED[1])
+                name, labels = "saves_dropped", {"reason": key[len("saves_dropped_"):]}
             else:
-                name, labels, doc = _clean(key), {}, f"kvtier counter {key}."
+                name, labels = _clean(key), {}
             if value:
-                self._series(engine_idx, "counter", name, labels, doc).inc(value)
+                self._series(engine_idx, "counter", name, labels).inc(value)
         used, total = data.get("gauge_slots_used"), data.get("gauge_slots_total")
         if used is not None and total:
-            self._series(engine_idx, "gauge", OCCUPANCY[0], {}, OCCUPANCY[1]).set(used / total)
+            self._series(engine_idx, "gauge", "occupancy", {}).set(used / total)
         for direction, b, s in (("save", "bytes_saved", "save_seconds"),
                                 ("load", "bytes_loaded", "load_seconds")):
             if data.get(b) and data.get(s):
-                self._series(engine_idx, "gauge", GBPS[0], {"direction": direction},
-                             GBPS[1]).set(data[b] / data[s] / 1e9)
+                self._series(engine_idx, "gauge", "transfer_gbps",
+                             {"direction": direction}).set(data[b] / data[s] / 1e9)
 
 
 def _clean(key: str) -> str:
