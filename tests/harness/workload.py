@@ -104,6 +104,7 @@ class Scenario:
                 f"blocks={self.num_blocks} seqs={self.max_num_seqs} "
                 f"batched={self.max_num_batched_tokens} chunk={self.chunk_tokens} "
                 f"dram={self.dram_size} save_q={self.max_pending_saves} "
+                f"load_q={self.max_pending_loads} "
                 f"{'v2 ' if self.v2_runner else ''}{self.policy}/"
                 f"{self.admission}/{self.sched_policy} reqs={len(self.requests)} "
                 f"resets={self.resets} faults={self.faults.kinds()} tags={self.tags}")
@@ -234,6 +235,7 @@ def make_scenario(
     for _ in range(rng.choice((0, 1, 2, 3, 4, 5, 6))):
         resets.append((rng.randint(4, 60), rng.random() < 0.6, rng.random() < 0.15))
     v2_runner = rng.random() < 0.25
+    max_pending_loads = rng.choice((1, 2)) if rng.random() < 0.15 else 1024
     return Scenario(
         seed=seed, async_scheduling=async_scheduling, world_size=world_size, v2_runner=v2_runner,
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
@@ -242,4 +244,5 @@ def make_scenario(
         admission=rng.choice(("always", "always", "always", "second_sight")),
         sched_policy=rng.choice(("fcfs", "fcfs", "priority")),
         requests=requests, resets=sorted(resets), faults=faults, tags=tags,
+        max_pending_loads=max_pending_loads,
     )
