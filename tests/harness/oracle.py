@@ -316,6 +316,8 @@ class Oracle:
         for r in range(self.scenario.world_size):
             if tr.pending(r):
                 problems.append(f"rank {r}: {tr.pending(r)} copies never ran")
+            if tr.load_outcomes[r]:
+                problems.append(f"rank {r}: loads never reported: {sorted(tr.load_outcomes[r])}")
             w = self.runners[r].worker
             if w._load_reqs:
                 problems.append(f"rank {r}: worker still tracks loads {sorted(w._load_reqs)}")
