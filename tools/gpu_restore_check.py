@@ -85,10 +85,19 @@ def main() -> int:
     batch = [shared + prompt(c + 7, 3), shared + prompt(2 * c + 3, 4)]
     out: dict = {"tp": args.tp, "tokens": args.tokens, "engine_start_s": start_s,
                  "vllm": __import__("vllm").__version__}
+    def dump() -> None:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
     for name, prompts in (("long", [long]), ("shared_batch", batch)):
         t = time.time()
-        res = restore_check(h, prompts, params)
-        settle(h)
+        try:
+            res = restore_check(h, prompts, params)
+            settle(h)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            dump()
+            raise
         out[name] = {
             "passed": res.passed, "restored_tokens": res.restored_tokens,
             "expected_restored": res.expected_restored, "loads_ok": res.loads_ok,
@@ -96,7 +105,9 @@ def main() -> int:
             "prompts": [p.__dict__ for p in res.prompts],
         }
         print(name, "PASSED" if res.passed else "FAILED", res.restored_tokens, "/",
-              res.expected_restored, flush=True)
+              res.expected_restored, [(p.checksums_equal, p.tokens_equal, p.logprobs_equal)
+                                      for p in res.prompts], flush=True)
+        dump()
     # compute vs restore wall time for the long prompt (fresh engine state for both)
     from kvtier.testing.probe import rpc_fill
 

@@ -100,6 +100,22 @@ def main() -> int:
         "repeated_prefix_tokens": args.prefix_len * args.prefixes * (args.per_prefix - 1),
         "ttft_s": ttfts, "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }
+    if args.config == "kvtier":
+        try:  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's counters
+            sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+            st = sched.stats
+            res["kvtier"] = {
+                "hit_tokens": st.hit_tokens, "loaded_tokens": st.loaded_tokens,
+                "loads_ok": st.loads_ok, "loads_failed": st.loads_failed,
+                "declined": dict(st.declined), "saves_planned": st.saves_planned,
+                "saves_committed": st.saves_committed, "saves_dropped": dict(st.saves_dropped),
+                "evictions": sched.index.evictions, "link_gbps_estimate": sched.estimates.link_gbps,
+                "prefill_s_per_token_estimate": sched.estimates.prefill_seconds_per_token,
+                "step_s_estimate": sched.estimates.step_seconds,
+            }
+            print("kvtier:", res["kvtier"], flush=True)
+        except AttributeError as e:
+            print("kvtier stats unavailable:", e)
     with open(args.out, "w") as f:
         json.dump(res, f)
     print(f"{args.config}: wall {wall:.1f} s, {n_in / wall:,.0f} input tok/s, cached {cached:,}"

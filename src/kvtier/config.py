@@ -163,6 +163,11 @@ class KvtierConfig(BaseModel):
         default=256 * 2**20,
         description="Device staging memory for transfers (at most; never more than dram_size).",
     )
+    transfer_path: Literal["auto", "dma", "kernel"] = Field(
+        default="auto",
+        description="GPU transfers: batched DMA, a Triton gather into staging, or auto (per "
+        "KV-cache group by piece size, as measured on an H200).",
+    )
     pin_step_size: PositiveByteSize = Field(
         default=2**30, description="Host memory is pinned with CUDA in steps of this size."
     )

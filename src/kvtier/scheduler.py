@@ -423,11 +423,11 @@ class OffloadScheduler:
                     raise RuntimeError(f"{kind} job {job_id} reported more than once per rank")
                 if js.ok + js.failed == self.world_size:
                     self._finish(js)
-        if report.bytes_saved or report.bytes_loaded:
-            secs = report.save_seconds + report.load_seconds
-            self.estimates.observe_transfer(
-                (report.bytes_saved + report.bytes_loaded) // max(1, self.world_size),
-                secs / max(1, self.world_size))
+        if report.bytes_loaded and report.load_seconds > 0:
+            # Loads only: a load is one job with its own timing, while saves are batched and
+            # each saved job reports its whole batch's time (summing those undercounts the
+            # link). Every rank moves its own bytes over its own link at once.
+            self.estimates.observe_transfer(report.bytes_loaded, report.load_seconds)
 
     def _finish(self, js: _JobState) -> None:
         del self.jobs[js.job.job_id]

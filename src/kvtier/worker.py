@@ -63,6 +63,12 @@ class StepResult:
     failed_blocks: set[int] = field(default_factory=set)  # block ids of failed loads
     report: WorkerReport = field(default_factory=WorkerReport)
 
+    def merge(self, other: StepResult) -> StepResult:
+        return StepResult(self.finished_loads | other.finished_loads,
+                          self.failed_loads | other.failed_loads,
+                          self.failed_blocks | other.failed_blocks,
+                          WorkerReport().add(self.report).add(other.report))
+
 
 class OffloadWorker:
     def __init__(

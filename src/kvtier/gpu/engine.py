@@ -198,6 +198,7 @@ class _Batch:
     start: Any
     t0: float
     error: str = ""
+    warned: bool = False
 
 
 @dataclass
@@ -396,9 +397,21 @@ class CudaTransferEngine(TransferEngine):
         for queue in self._inflight.values():
             while queue:
                 if not self._finish_batch(queue[0], out):
+                    self._watch(queue[0])
                     break
                 queue.popleft()
         return out
+
+    STUCK_SECONDS = 30.0
+
+    def _watch(self, b: _Batch) -> None:
+        """A batch that does not complete is a bug or a hung device: say so, loudly, once.
+        Its jobs are still not reported (their copies may yet write), per the contract."""
+        age = time.perf_counter() - b.t0
+        if age > self.STUCK_SECONDS and not b.warned:
+            b.warned = True
+            logger.error("kvtier: a %s batch of jobs %s has been in flight for %.0f s",
+                         b.kind, b.job_ids[:16], age)
 
     def _finish_batch(self, b: _Batch, out: list[Completion]) -> bool:
         """Report the jobs of a completed batch (False: still running)."""

@@ -58,10 +58,15 @@ def settle(h: EngineHandles, timeout_s: float = 120.0) -> int:
     """
     deadline = time.monotonic() + timeout_s
     n = 0
+    core = h.core
     while time.monotonic() < deadline:
-        if not h.scheduler_connector.has_pending_push_work() and not h.core.scheduler.has_requests():
+        queued = bool(getattr(core, "batch_queue", None))
+        if (not queued and not h.scheduler_connector.has_pending_push_work()
+                and not core.scheduler.has_requests()):
             return n
-        h.core.step()
+        # step_fn, not step: with async scheduling (the GPU default) a batch may still sit in
+        # the engine's batch queue, its output (and kvtier's reports in it) not yet applied
+        core.step_fn()
         n += 1
         time.sleep(0.001)  # let the transfer thread run
     sched = h.kvtier

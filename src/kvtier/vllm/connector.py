@@ -397,7 +397,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             from kvtier.gpu.engine import CudaTransferEngine
 
             def engine_factory(mover: Any) -> Any:
-                return CudaTransferEngine(mover, self.config)
+                return CudaTransferEngine(mover, self.config, mode=self.config.transfer_path)
         shm = f"kvtier-{self._vllm_config.kv_transfer_config.engine_id}" if (
             self.world_size > 1) else None
         self._worker = OffloadWorker(
@@ -463,7 +463,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                       + sum(f for _, f in r.loads.values()))):
             if v:
                 wc[k] = wc.get(k, 0) + v
-        self._result = res
+        # Reports accumulate until build_connector_worker_meta hands them over: a second
+        # collection before that (any engine path that polls twice) must not drop the first.
+        self._result = self._result.merge(res)
         return res
 
     def get_finished(self, finished_req_ids: set[str], **kwargs: Any
