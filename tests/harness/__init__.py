@@ -6,8 +6,6 @@ See tests/harness/README.md. Modules: :mod:`.workload` (seeded scenarios), :mod:
 :mod:`.run` (batches of scenarios, also as ``python -m harness.run``).
 """
 
-import logging
 import os
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-logging.getLogger("kvtier").setLevel(logging.ERROR)

@@ -9,9 +9,11 @@ KvtierConnector from ``kv_transfer_config``), requests with vLLM's sha256 block 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import os
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,5 +155,16 @@ def kv_output(finished_recving: set[str] | None, failed_recving: set[str] | None
     return KVConnectorOutput(**kw)
 
 
-def quiet_vllm() -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """vLLM's and kvtier's warnings off while scenarios run (each builds engines' worth of
+    connectors); levels restored after, so that other tests in the process see their logs."""
+    loggers = [logging.getLogger(n) for n in ("vllm", "kvtier")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

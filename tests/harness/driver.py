@@ -27,6 +27,7 @@ from .compat import (
     kv_cache_config,
     make_request,
     make_scheduler,
+    quiet,
     vllm_config,
 )
 from .content import FIRST_TOKEN, VOCAB
@@ -255,8 +256,9 @@ def run_scenario(sc: Scenario, extra: dict[str, Any] | None = None,
     res = Result(sc)
     drv = None
     try:
-        drv = Driver(sc, extra, trace)
-        drv.run()
+        with quiet():
+            drv = Driver(sc, extra, trace)
+            drv.run()
     except ViolationError as e:
         res.violation = e
     except Exception as e:
