@@ -233,6 +233,11 @@ class HostSlab:
                 )
             self._registered.append(base + start)
 
+    @property
+    def registered(self) -> list[int]:
+        """Start addresses of the slab's pinned (registered) ranges, in order."""
+        return list(self._registered)
+
     def view(self, cls: int, slot: int, shard: int = 0) -> torch.Tensor:
         """The ``slot_bytes`` of one slot of one shard, as a uint8 tensor."""
         off = self.plan.offset(cls, slot, shard)

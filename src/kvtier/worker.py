@@ -14,6 +14,7 @@ job, and asks :meth:`~kvtier.transfer.TransferEngine.query` for jobs in flight f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, Tran
 
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
+
+logger = logging.getLogger("kvtier")
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class OffloadWorker:
         self.duplicate_completions = 0  # completions of jobs already reported (dropped)
         self.requeried = 0  # completions found by query() after their notice went missing
         self.total_fences_waited = 0  # fences that found their save still pending, ever
+        self.failures = 0  # failed transfer jobs, ever
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
         self.plan_step = 0
@@ -189,6 +193,11 @@ class OffloadWorker:
 
     def _account(self, c: Completion, out: StepResult) -> None:
         rep = out.report
+        if not c.ok:
+            self.failures += 1
+            if self.failures <= 20 or self.failures % 100 == 0:  # loud, but bounded
+                logger.warning("kvtier rank %d: %s job %d failed (%d so far): %s", self.rank,
+                               c.kind, c.job_id, self.failures, c.error or "no reason given")
         if c.kind == "save":
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes

@@ -215,3 +215,33 @@ class Driver:
             raise DmaError(f"cuMemcpyBatchAsync of {n} copies failed: CUresult {err} "
                            f"(first failing copy {self._fail_idx.value})")
         return 1
+
+
+def split_at(desc: Descriptors, host_is_dst: bool, bounds: np.ndarray) -> Descriptors:
+    """Cut descriptors so that none crosses a host-memory registration boundary.
+
+    The slab is pinned in bounded steps (one ``cudaHostRegister`` each); merged copies of
+    adjacent slots can otherwise span two registrations, which a copy engine descriptor must
+    not. ``bounds``: sorted addresses where a registration starts (the first one excluded).
+    """
+    dst, src, size = desc
+    if bounds.size == 0 or size.size == 0:
+        return desc
+    host = dst if host_is_dst else src
+    first = np.searchsorted(bounds, host, side="right")
+    last = np.searchsorted(bounds, host + size - 1, side="right")
+    if not (first != last).any():
+        return desc
+    out_d, out_s, out_n = [], [], []
+    for d, s, n, a, b in zip(dst.tolist(), src.tolist(), size.tolist(), first.tolist(),
+                             last.tolist()):
+        h = d if host_is_dst else s
+        cuts = [int(x) - h for x in bounds[a:b]] + [n]
+        pos = 0
+        for c in cuts:
+            out_d.append(d + pos)
+            out_s.append(s + pos)
+            out_n.append(c - pos)
+            pos = c
+    return (np.array(out_d, dtype=np.int64), np.array(out_s, dtype=np.int64),
+            np.array(out_n, dtype=np.int64))

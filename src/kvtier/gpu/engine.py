@@ -61,6 +61,7 @@ from kvtier.gpu.dma import (
     merge_adjacent,
     piece_descriptors,
     run_on_host,
+    split_at,
 )
 from kvtier.layout import GroupKind
 from kvtier.ops import SKIP, Job, TransferOp
@@ -311,6 +312,9 @@ class CudaTransferEngine(TransferEngine):
                      if need_stage else {})
         slab = mover.slab
         self._slab_base = slab.buffer.data_ptr()
+        # where each cudaHostRegister of the slab starts: copies must not straddle two
+        self._host_bounds = np.array(sorted(getattr(slab, "registered", ())[1:]),
+                                     dtype=np.int64)
         self._plan = slab.plan
         self._chunk_bytes = {g.gid: g.chunk_bytes for g in self._groups}
         self._queued: list[Job] = []
@@ -584,8 +588,8 @@ class CudaTransferEngine(TransferEngine):
             if g.path == "dma":
                 copy.wait_event(after)
                 start.record(copy)
-                rt.copy(merge_adjacent(piece_descriptors(g.table, ids, slots, kind == "save")),
-                        copy)
+                self._copy(piece_descriptors(g.table, ids, slots, kind == "save"),
+                           kind == "save", copy)
                 done.record(copy)
                 read = done
             elif kind == "save":
@@ -616,6 +620,10 @@ class CudaTransferEngine(TransferEngine):
                                "bytes": len(slots) * g.chunk_bytes, "start": start,
                                "done": done, "host_s": time.perf_counter() - t0})
 
+    def _copy(self, desc: Descriptors, to_host: bool, stream: Any) -> None:
+        """Merge adjacent pieces, never across a host-memory registration, and enqueue."""
+        self.rt.copy(split_at(merge_adjacent(desc), to_host, self._host_bounds), stream)
+
     def _save_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
                      start: Any, done: Any) -> Any:
         rt = self.rt
@@ -635,7 +643,7 @@ class CudaTransferEngine(TransferEngine):
             read.record(kern)
         copy.wait_event(read)
         stage_addr = self.stage.data_ptr() + self._stage_base["save"] + off
-        rt.copy(merge_adjacent(chunk_descriptors(stage_addr, g.chunk_bytes, slots, True)), copy)
+        self._copy(chunk_descriptors(stage_addr, g.chunk_bytes, slots, True), True, copy)
         done.record(copy)
         ring.give(off, n, done)
         return read
@@ -652,7 +660,7 @@ class CudaTransferEngine(TransferEngine):
             copy.wait_event(ev)
         start.record(copy)
         stage_addr = self.stage.data_ptr() + self._stage_base["load"] + off
-        rt.copy(merge_adjacent(chunk_descriptors(stage_addr, g.chunk_bytes, slots, False)),
+        self._copy(chunk_descriptors(stage_addr, g.chunk_bytes, slots, False), False,
                 copy)
         landed = rt.event()
         landed.record(copy)
