@@ -1,0 +1,94 @@
+"""Start-up checks of the vLLM connector (no engine run): the failure policy, configuration
+errors, what it declares to vLLM, and the plugin's short name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness.compat import BLOCK_SIZE, LAYERS, model_config
+
+
+def _configs(policy: str, extra: dict[str, Any]) -> tuple[Any, Any]:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    cfg = VllmConfig(
+        model_config=model_config(),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
+                                         max_model_len=model_config().max_model_len,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra),
+        device_config=DeviceConfig("cpu"),
+    )
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32)
+    kvc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+    return cfg, kvc
+
+
+def _connector(policy: str = "recompute", extra: dict[str, Any] | None = None) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.vllm.connector import KvtierConnector
+
+    cfg, kvc = _configs(policy, extra or {})
+    return KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+
+def test_refuses_a_failure_policy_other_than_recompute() -> None:
+    with pytest.raises(ValueError, match="kv_load_failure_policy='recompute'"):
+        _connector("fail")
+
+
+def test_starts_with_fail_policy_when_told_to() -> None:
+    c = _connector("fail", {"allow_fail_policy": "true"})
+    assert c.config.allow_fail_policy
+
+
+def test_bad_settings_are_start_up_errors_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="dram_size"):
+        _connector(extra={"dram_sise": "1GiB"})
+    with pytest.raises(ValueError, match="GiB"):
+        _connector(extra={"dram_size": "64"})
+
+
+def test_what_it_declares_to_vllm() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    c = _connector()
+    assert isinstance(c, SupportsHMA)
+    assert c.requires_kv_delivery is False
+    assert type(c).get_required_kvcache_layout(None) is None  # any layout
+    assert c.get_num_new_matched_tokens.__func__  # defined here, not the base's
+    # until the workers' layout handshake, lookups ask again and the engine keeps stepping
+    class _Req:
+        request_id = "r1"
+        skip_reading_prefix_cache = False
+
+    c.on_new_request(_Req())
+    assert c.get_num_new_matched_tokens(_Req(), 0) == (None, False)
+    assert c.has_pending_push_work()
+
+
+def test_the_plugin_registers_the_short_name() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.vllm.plugin import SHORT_NAME, register
+
+    register()
+    register()  # idempotent: every vLLM process runs the plugins
+    cls = KVConnectorFactory._registry[SHORT_NAME]()
+    assert cls.__name__ == "KvtierConnector"
