@@ -95,16 +95,6 @@ def lcm_block_size(groups: Sequence[GroupGeometry]) -> int:
     return out
 
 
-def default_chunk_tokens(block_sizes: Sequence[int], at_least: int = 256) -> int:
-    """The smallest multiple of the block sizes' LCM that is at least ``at_least`` tokens."""
-    from math import lcm
-
-    base = 1
-    for b in block_sizes:
-        base = lcm(base, b)
-    return base * max(1, -(-at_least // base))
-
-
 @dataclass(frozen=True)
 class Hit:
     boundary: int  # chunks restored from 0 (the HBM part is skipped when loading)

@@ -280,9 +280,7 @@ class OffloadScheduler:
 
     def _set_blocks(self, st: RequestState, block_ids: Sequence[Sequence[int]]) -> None:
         st.block_ids = [list(ids) for ids in block_ids]
-        for g, ids in enumerate(block_ids):
-            if g < len(self._step_allocated):
-                self._step_allocated[g].update(ids)
+        self.note_allocated(block_ids)
 
     def note_allocated(self, block_ids: Sequence[Sequence[int]]) -> None:
         """Blocks handed out this step that no request table shows (e.g. copy targets)."""

@@ -15,7 +15,7 @@ job, and asks :meth:`~kvtier.transfer.TransferEngine.query` for jobs in flight f
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
@@ -229,10 +229,3 @@ class OffloadWorker:
         self.engine.close()
         self.slab.close()
 
-
-def chunk_tokens_for(config: KvtierConfig, block_sizes: Sequence[int]) -> int:
-    from kvtier.planner import default_chunk_tokens
-
-    if config.chunk_tokens is not None:
-        return config.chunk_tokens
-    return default_chunk_tokens(block_sizes)

@@ -42,7 +42,6 @@ from kvtier.worker import (
     OffloadWorker,
     StepResult,
     WorkerGeometry,
-    chunk_tokens_for,
     planner_geometry,
     worker_geometry,
 )
@@ -273,7 +272,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if any(g != first for g in geometries):
             raise RuntimeError(f"kvtier: ranks disagree on the KV layout: {geometries}")
         assert self.groups is not None
-        chunk = chunk_tokens_for(self.config, first.block_sizes)
+        chunk = self.config.resolve_chunk_tokens(first.block_sizes)
         geometry = planner_geometry(first, chunk)
         num_shards = 1 if self.replicated else self.world_size
         plan = make_slab_plan(self.config, geometry, num_shards)
@@ -388,7 +387,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_dtype=self.kv_cache_dtype, layers=layers, block_axes=block_axes,
         )
         self._geometry = worker_geometry(layout)
-        chunk = chunk_tokens_for(self.config, self._geometry.block_sizes)
+        chunk = self.config.resolve_chunk_tokens(self._geometry.block_sizes)
         rank = _rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
