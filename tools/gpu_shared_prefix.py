@@ -1,7 +1,10 @@
 """The shared-prefix reference run of DESIGN.md §3, offline, one configuration per process.
 
     python tools/gpu_shared_prefix.py --config kvtier --out $OUT/sp_kvtier.json
-    (configs: hbm, kvtier, native; --tp N)
+    (configs: hbm, big (HBM holding every prefix: 12,000 blocks), kvtier, native; --tp N)
+
+Default engine settings (CUDA graphs on); ``--enforce-eager`` turns them off, which changes
+every ratio (eager decode steps are several times slower).
 
 Llama-3.1-8B shape with dummy weights (bf16), 8 prefixes of 16,384 tokens, 6 requests each
 with a unique 1,024-token suffix, 32 output tokens, requests in round-robin order, HBM prefix
@@ -23,19 +26,23 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", choices=["hbm", "kvtier", "native"], required=True)
+    ap.add_argument("--config", choices=["hbm", "big", "kvtier", "native"], required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=16384)
     ap.add_argument("--per-prefix", type=int, default=6)
     ap.add_argument("--suffix-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--hbm-blocks", type=int, default=2600)
+    ap.add_argument("--hbm-blocks", type=int, default=None,
+                    help="HBM prefix-cache blocks (default 2,600; 12,000 for --config big)")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     ap.add_argument("--dram-gib", type=int, default=48)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default="/tmp/llama8b-shape")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (CPU dry run)")
     args = ap.parse_args()
+    if args.hbm_blocks is None:
+        args.hbm_blocks = 12000 if args.config == "big" else 2600
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_restore_check import llama8b
@@ -61,7 +68,7 @@ def main() -> int:
         vocab = 120000
     t0 = time.time()
     llm = LLM(**model, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              enforce_eager=True, tensor_parallel_size=args.tp,
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               max_model_len=args.prefix_len + args.suffix_len + args.output_len + 256,
               num_gpu_blocks_override=args.hbm_blocks, max_num_batched_tokens=8192,
               enable_prefix_caching=True, **extra)
@@ -94,7 +101,8 @@ def main() -> int:
         if first and arrival:
             ttfts.append(first - arrival)
     res = {
-        "config": args.config, "tp": args.tp, "vllm": __import__("vllm").__version__,
+        "config": args.config, "tp": args.tp, "hbm_blocks": args.hbm_blocks,
+        "enforce_eager": args.enforce_eager, "vllm": __import__("vllm").__version__,
         "engine_start_s": start_s, "wall_s": wall, "input_tokens": n_in,
         "input_tok_per_s": n_in / wall, "cached_prompt_tokens": cached,
         "repeated_prefix_tokens": args.prefix_len * args.prefixes * (args.per_prefix - 1),
