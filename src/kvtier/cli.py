@@ -4,9 +4,11 @@
     kvtier bench [NAME] [args]         a benchmark; NAME is one of kvtier.bench.BENCHES
                                        (default: serving, so `kvtier bench --compare ...` works)
     kvtier config [--json]             every kvtier setting with its default and its doc
+    kvtier --version                   the installed kvtier's version
 
 Subcommands import their heavy dependencies only when they run; ``kvtier --help`` imports no
-vLLM and no torch.
+vLLM and no torch; ``kvtier --version`` imports nothing beyond the standard library (it is
+what one runs to report a broken install).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+import kvtier
 from kvtier import bench
+
+
+def version_line() -> str:
+    return f"kvtier {kvtier.__version__}"
 
 
 def _bench_modules() -> dict[str, Any]:
@@ -31,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvtier", allow_abbrev=False,
                                 description="kvtier: a KV-cache offload tier for vLLM.")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,bench,config}")
 
     sp = sub.add_parser("serve", allow_abbrev=False, help="start vLLM's OpenAI server with kvtier",
@@ -102,6 +110,9 @@ def _print_config(as_json: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = _with_default_bench(list(sys.argv[1:] if argv is None else argv))
+    if args_in == ["--version"]:  # before build_parser, which imports pydantic
+        print(version_line())
+        return 0
     parser = build_parser()
     args, rest = parser.parse_known_args(args_in)
     if args.command != "serve" and rest:
