@@ -17,7 +17,7 @@ from kvtier import bench
 from kvtier.bench.serving import free_port
 from kvtier.cli import main, settings_doc
 from kvtier.config import KvtierConfig
-from kvtier.vllm import serve
+from kvtier.vllm import entry, serve
 
 FAKE = os.path.join(os.path.dirname(__file__), "_fake_openai.py")
 
@@ -44,7 +44,7 @@ def test_serve_builds_the_vllm_command(capsys: pytest.CaptureFixture[str]) -> No
     cmd = _dry(capsys, "/models/x", "--dtype", "float32", "--dram-size", "2GiB", "--policy",
                "lru", "--chunk-tokens", "512", "--port", "8123", "--kvtier-set",
                "max_pending_saves=64", "--block-size=32")
-    assert cmd[:5] == [sys.executable, "-m", serve.VLLM_ENTRY, "--model", "/models/x"]
+    assert cmd[:5] == [sys.executable, "-m", entry.server_module(), "--model", "/models/x"]
     assert cmd[5:9] == ["--dtype", "float32", "--port", "8123"] and "--block-size=32" in cmd
     ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert ktc == {"kv_connector": "kvtier", "kv_role": "kv_both",

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-model-len 32768")
     serve.add_arguments(sp)
     sp.add_argument("--dry-run", action="store_true",
-                    help="print the vLLM command instead of running it")
+                    help="check the arguments with vLLM's parser and print the vLLM command "
+                    "instead of running it")
     sp.add_argument("--ready-timeout", type=float, default=900.0,
                     help="seconds to wait for the server to answer /health")
 
@@ -127,17 +128,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         sa = serve.from_namespace(args, rest)
+        if not args.dry_run:
+            return serve.serve(sa, args.ready_timeout)
         cmd = serve.vllm_command(sa)
+        serve.preflight(sa, cmd, check_port=False)
     except ConfigError as e:
         print(f"kvtier serve: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        import shlex
+    import shlex
 
-        print(shlex.join(cmd))
-        return 0
-    return serve.serve(sa, args.ready_timeout)
-
+    print(shlex.join(cmd))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
