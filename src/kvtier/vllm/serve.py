@@ -36,7 +36,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.vllm import child, entry
@@ -67,8 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="any other kvtier setting (see `kvtier config`); repeatable")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises ConfigError instead of printing the usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
 def parser(prog: str = "kvtier serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The parser of ``kvtier serve``'s own arguments, raising ConfigError on bad input."""
+    p = _Parser(
         prog=prog, allow_abbrev=False,
         description="Start vLLM's OpenAI-compatible server with kvtier as its KV connector. "
         "Unknown arguments are passed to vLLM.")
