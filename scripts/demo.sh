@@ -32,8 +32,8 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 COMMON="$OUT/model --load-format dummy --dtype float32 --block-size 32 --skip-tokenizer-init \
 --enforce-eager --max-model-len $MAX_LEN --num-gpu-blocks-override $HBM_BLOCKS --max-num-seqs 4"
 
-kvtier bench --workload shared-prefix --prefixes 8 --prefix-len "$PREFIX_LEN" --suffix-len 256 \
-  --output-len 16 --concurrency 4 --requests "$REQUESTS" --seed 0 --out "$OUT" \
+kvtier bench --workload shared-prefix --prompt-prefix-pool-size 8 \
+  --prompt-prefix-length "$PREFIX_LEN" --isl 256 --osl 16 --concurrency 4 --requests "$REQUESTS" --seed 0 --out "$OUT" \
   --compare "HBM-only=$COMMON --no-kvtier" \
   --compare "kvtier=$COMMON --dram-size 1GiB"
 
@@ -47,9 +47,9 @@ checks = [
     ("HBM-only serves under 5% of repeated-prefix tokens from HBM",
      hbm["hbm_share_of_repeat"] < 0.05, f"{100 * hbm['hbm_share_of_repeat']:.1f}%"),
     ("kvtier restores at least 95% of the whole-chunk prefix tokens",
-     kvt["kvtier_share_of_restorable"] >= 0.95,
-     f"{kvt['kvtier_tokens']:,} of {kvt['restorable_tokens']:,} tokens = "
-     f"{100 * kvt['kvtier_share_of_restorable']:.1f}%"),
+     kvt["connector_share_of_restorable"] >= 0.95,
+     f"{kvt['connector_tokens']:,} of {kvt['restorable_tokens']:,} tokens = "
+     f"{100 * kvt['connector_share_of_restorable']:.1f}%"),
     ("median TTFT of repeated-prefix requests at least 5x lower", ratio >= 5.0, f"{ratio:.1f}x"),
     ("no failed requests", hbm["failed"] == kvt["failed"] == 0,
      f"{hbm['failed']} + {kvt['failed']}"),

@@ -3,12 +3,16 @@
 - ``POST /v1/completions`` streams ``max_tokens`` chunks (token ids if ``return_token_ids``)
   after a delay that grows with the uncached prompt tokens, then a usage chunk whose
   ``cached_tokens`` is the longest whole-block prefix shared with an earlier prompt.
-- ``GET /metrics`` exposes ``vllm:prompt_tokens_total`` and, when ``kvtier`` is on,
-  ``vllm:kvtier_restored_tokens_total`` (the cached tokens beyond the first block, as if
-  kvtier restored them) and ``vllm:kvtier_chunk_tokens``.
+- A KV connector (``connector``, default: when ``kvtier``) "restores" the cached tokens
+  beyond the first block; the first block counts as an HBM prefix-cache hit.
+- ``GET /metrics`` exposes ``vllm:prompt_tokens_total``; with ``by_source`` (default on, as
+  vLLM 0.25.1 and 0.32 do) ``vllm:prompt_tokens_by_source{source=local_compute|
+  local_cache_hit|external_kv_transfer}``; when ``kvtier`` is on
+  ``vllm:kvtier_restored_tokens_total`` (the connector's tokens) and
+  ``vllm:kvtier_chunk_tokens``. ``connector`` without ``kvtier`` is a native/LMCache server.
 - ``fail_every`` makes every n-th request answer HTTP 500.
 
-    python tests/_fake_openai.py --port 8123 [--kvtier 0|1]
+    python tests/_fake_openai.py --port 8123 [--kvtier 0|1] [--connector 0|1] [--by-source 0|1]
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ BLOCK = 32
 @dataclass
 class FakeState:
     kvtier: bool = True
+    connector: bool | None = None  # None: as kvtier
+    by_source: bool = True
     first_delay: float = 0.005
     per_token: float = 2e-6
     itl: float = 0.002
@@ -39,6 +45,12 @@ class FakeState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int = 0
     restored: int = 0
+    hbm_hits: int = 0
+    computed: int = 0
+
+    @property
+    def has_connector(self) -> bool:
+        return self.kvtier if self.connector is None else self.connector
 
     def cached(self, prompt: list[int]) -> int:
         best = 0
@@ -83,8 +95,10 @@ def make_app(state: FakeState) -> web.Application:
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             state.prompt_tokens += len(prompt)
-            if state.kvtier:
-                state.restored += max(0, cached - BLOCK)
+            external = max(0, cached - BLOCK) if state.has_connector else 0
+            state.restored += external
+            state.hbm_hits += cached - external
+            state.computed += len(prompt) - cached
             return resp
         finally:
             state.in_flight -= 1
@@ -93,6 +107,13 @@ def make_app(state: FakeState) -> web.Application:
         lines = ["# TYPE vllm:prompt_tokens_total counter",
                  f'vllm:prompt_tokens_total{{engine="0",model_name="fake"}} {state.prompt_tokens}',
                  'vllm:prompt_tokens_created{engine="0",model_name="fake"} 1.7e9']
+        if state.by_source:
+            lines.append("# TYPE vllm:prompt_tokens_by_source counter")
+            for source, n in (("local_compute", state.computed),
+                              ("local_cache_hit", state.hbm_hits),
+                              ("external_kv_transfer", state.restored)):
+                lines.append(f'vllm:prompt_tokens_by_source{{engine="0",model_name="fake",'
+                             f'source="{source}"}} {n}')
         if state.kvtier:
             lines += [f'vllm:kvtier_restored_tokens_total{{engine="0",model_name="fake"}} '
                       f"{state.restored}",
@@ -140,9 +161,13 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--kvtier", type=int, default=1)
+    p.add_argument("--connector", type=int, default=None)
+    p.add_argument("--by-source", type=int, default=1)
     a = p.parse_args()
-    web.run_app(make_app(FakeState(kvtier=bool(a.kvtier))), host=a.host, port=a.port,
-                print=None)
+    state = FakeState(kvtier=bool(a.kvtier),
+                      connector=None if a.connector is None else bool(a.connector),
+                      by_source=bool(a.by_source))
+    web.run_app(make_app(state), host=a.host, port=a.port, print=None)
 
 
 if __name__ == "__main__":

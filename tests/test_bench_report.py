@@ -10,7 +10,7 @@ import pytest
 from kvtier.bench import scrape
 from kvtier.bench.client import RequestResult
 from kvtier.bench.metrics import percentile, summarize, ttft_ratio
-from kvtier.bench.plot import plot
+from kvtier.bench.plot import cdf_lines, plot
 from kvtier.bench.report import ratio_lines, table, write_json
 
 RESTORED = scrape.key(scrape.RESTORED, {"engine": "0", "model_name": "m"})
@@ -40,20 +40,41 @@ def test_summary_attributes_prompt_tokens() -> None:
     assert (s.requests, s.failed, s.repeat_requests) == (5, 1, 2)
     assert s.prompt_tokens == 4000 and s.output_tokens == 16
     assert s.input_tok_s == 2000 and s.total_tok_s == 2008
-    assert s.cached_tokens == 1632 and s.kvtier_tokens == 1536 and s.hbm_tokens == 96
+    assert s.cached_tokens == 1632 and s.connector_tokens == 1536 and s.hbm_tokens == 96
+    assert s.token_source == "kvtier" and s.computed_tokens is None
     assert s.reuse_tokens == 1600 and s.restorable_tokens == 1536
-    assert s.kvtier_share_of_restorable == 1.0
+    assert s.connector_share_of_restorable == 1.0
     assert s.hbm_share_of_repeat == pytest.approx(96 / 1600, abs=1e-4)
     assert s.ttft_repeat_p50_ms == pytest.approx(110.0)
+    assert s.ttft_repeat_p99_ms == pytest.approx(119.8)
     assert s.ttft_first_p50_ms == pytest.approx(600.0)
+    assert s.ttft_first_p99_ms == pytest.approx(698.0)
     assert s.itl_p50_ms == pytest.approx(10.0)
 
 
 def test_summary_without_kvtier_or_usage_details() -> None:
     results = [_req(0, 0, 0.5, None), _req(1, 500, 0.4, None)]
     s = summarize("plain", results, 1.0, {}, chunk_tokens=256, kvtier_present=False)
-    assert s.cached_tokens is None and s.hbm_tokens is None and s.kvtier_tokens == 0
-    assert s.hbm_share_of_repeat is None and s.kvtier_share_of_restorable == 0.0
+    assert s.cached_tokens is None and s.hbm_tokens is None and s.connector_tokens == 0
+    assert s.hbm_share_of_repeat is None and s.connector_share_of_restorable == 0.0
+
+
+def test_summary_takes_token_sources_from_vllms_series_for_any_connector() -> None:
+    """A native or LMCache run has no kvtier series: vLLM's prompt_tokens_by_source still
+    says what the connector restored; it wins over kvtier's series where both exist."""
+    results = [_req(0, 0, 0.5, 0), _req(1, 800, 0.1, 800)]
+    delta = {'vllm:prompt_tokens_by_source{engine="0",source="local_cache_hit"}': 32.0,
+             'vllm:prompt_tokens_by_source{engine="0",source="external_kv_transfer"}': 768.0,
+             'vllm:prompt_tokens_by_source{engine="0",source="local_compute"}': 1200.0}
+    native = summarize("native", results, 1.0, delta, 256, kvtier_present=False,
+                       by_source=True)
+    assert (native.connector_tokens, native.hbm_tokens, native.computed_tokens) == (768, 32,
+                                                                                    1200)
+    assert native.token_source == "vllm" and native.connector_share_of_restorable == 1.0
+    both = summarize("kvtier", results, 1.0, {**delta, RESTORED: 999.0}, 256, True, True)
+    assert both.connector_tokens == 768
+    row = next(x for x in table([native]).splitlines() if x.startswith("prompt tokens from the"))
+    assert row.split()[-2:] == ["768", "(384/req)"]
 
 
 def _pair() -> list:  # type: ignore[type-arg]
@@ -64,24 +85,49 @@ def _pair() -> list:  # type: ignore[type-arg]
     return [base, kvt]
 
 
-def test_table_and_ratio_line() -> None:
+def test_table_and_every_ratio_marked_when_a_loss() -> None:
     base, kvt = _pair()
     text = table([base, kvt])
     lines = text.splitlines()
     assert lines[0].split() == ["HBM-only", "kvtier"]
-    assert any(line.startswith("TTFT p50, repeated-prefix reqs (ms)") for line in lines)
-    row = next(line for line in lines if line.startswith("prompt tokens from kvtier"))
-    assert row.split()[-2:] == ["768", "(384/req)"]
-    assert "- (off)" in next(line for line in lines if line.startswith("kvtier / whole"))
+    assert any(line.startswith("TTFT p50 / p99, repeated-prefix reqs (ms)") for line in lines)
+    assert any(line.startswith("TTFT p50 / p99, first-seen reqs (ms)") for line in lines)
+    row = next(line for line in lines if line.startswith("prompt tokens from the KV connector"))
+    assert row.split()[-3:] == ["exported)", "768", "(384/req)"]  # HBM-only: "- (not exported)"
     assert ttft_ratio(base, kvt) == pytest.approx(6.0)
-    assert ratio_lines([base, kvt]) == [
-        "kvtier vs HBM-only: median TTFT of repeated-prefix requests 6.0x lower"]
-    assert ratio_lines([kvt, base]) == [
-        "HBM-only vs kvtier: median TTFT of repeated-prefix requests 6.0x higher"]
     assert ratio_lines([base]) == []
+    # repeated-prefix TTFT 6x lower, but first-seen TTFT 2x higher and throughput lower
+    slow_first = summarize("kvtier", [_req(0, 0, 1.0, 0), _req(1, 800, 0.1, 768)], 1.25,
+                           {RESTORED: 768.0}, 256, True)
+    assert ratio_lines([base, slow_first]) == [
+        "kvtier vs HBM-only: median TTFT of repeated-prefix requests 6.0x lower",
+        "kvtier vs HBM-only: p99 TTFT of repeated-prefix requests 6.0x lower",
+        "kvtier vs HBM-only: median TTFT of first-seen requests 2.0x higher  <- LOSS",
+        "kvtier vs HBM-only: p99 TTFT of first-seen requests 2.0x higher  <- LOSS",
+        "kvtier vs HBM-only: throughput (total tok/s) 1.25x lower  <- LOSS",
+    ]
+    assert ratio_lines([slow_first, base])[-1] == (
+        "HBM-only vs kvtier: throughput (total tok/s) 1.25x higher")
     plain = [summarize(n, [_req(0, 0, t, 0)], 1.0, {}, 256, False) for n, t in (("a", 0.2),
                                                                               ("b", 0.4))]
-    assert ratio_lines(plain) == ["b vs a: median TTFT (no repeated prefixes) 2.0x higher"]
+    assert ratio_lines(plain) == [
+        "b vs a: median TTFT of first-seen requests 2.0x higher  <- LOSS",
+        "b vs a: p99 TTFT of first-seen requests 2.0x higher  <- LOSS",
+        "b vs a: throughput (total tok/s) the same"]
+
+
+def test_plot_lines_one_colour_per_configuration_with_first_seen() -> None:
+    base, kvt = _pair()
+    res = [_req(0, 0, 0.5, 0), _req(1, 800, 0.1, 768)]
+    lines = cdf_lines([(base, res), (kvt, res)])
+    assert [(n, sub) for n, sub, *_ in lines] == [
+        (n, sub) for n in ("HBM-only", "kvtier") for sub in ("all", "repeated-prefix",
+                                                            "first-seen")]
+    colours = {n: {c for m, _, _, c, _ in lines if m == n} for n in ("HBM-only", "kvtier")}
+    assert all(len(c) == 1 for c in colours.values())
+    assert colours["HBM-only"] != colours["kvtier"]
+    assert len({style for _, _, style, _, _ in lines}) == 3
+    assert next(xs for n, sub, _, _, xs in lines if sub == "first-seen") == [500.0]
 
 
 def test_json_and_plot_files(tmp_path: str) -> None:

@@ -17,7 +17,7 @@ from kvtier import bench
 from kvtier.bench.serving import free_port
 from kvtier.cli import main, settings_doc
 from kvtier.config import KvtierConfig
-from kvtier.vllm import serve
+from kvtier.vllm import entry, serve
 
 FAKE = os.path.join(os.path.dirname(__file__), "_fake_openai.py")
 
@@ -44,7 +44,7 @@ def test_serve_builds_the_vllm_command(capsys: pytest.CaptureFixture[str]) -> No
     cmd = _dry(capsys, "/models/x", "--dtype", "float32", "--dram-size", "2GiB", "--policy",
                "lru", "--chunk-tokens", "512", "--port", "8123", "--kvtier-set",
                "max_pending_saves=64", "--block-size=32")
-    assert cmd[:5] == [sys.executable, "-m", serve.VLLM_ENTRY, "--model", "/models/x"]
+    assert cmd[:5] == [sys.executable, "-m", entry.server_module(), "--model", "/models/x"]
     assert cmd[5:9] == ["--dtype", "float32", "--port", "8123"] and "--block-size=32" in cmd
     ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert ktc == {"kv_connector": "kvtier", "kv_role": "kv_both",
@@ -133,8 +133,10 @@ def test_bench_against_an_endpoint_writes_results(fake_url: str, tmp_path: str,
     assert run["summary"]["chunk_tokens"] == 64  # read from the server's gauge
     # warm-up requests are not measured: 2 of them reached the server before the run
     assert run["summary"]["repeat_requests"] == 4
-    assert run["summary"]["kvtier_tokens"] == run["metrics_delta"][
-        'vllm:kvtier_restored_tokens_total{engine="0",model_name="fake"}']
+    assert run["summary"]["connector_tokens"] == run["metrics_delta"][
+        'vllm:kvtier_restored_tokens_total{engine="0",model_name="fake"}'] == run[
+        "metrics_delta"]['vllm:prompt_tokens_by_source{engine="0",model_name="fake",'
+                         'source="external_kv_transfer"}']
     assert data["meta"]["machine"]["cores"] and data["meta"]["command"].startswith("kvtier")
 
 
@@ -159,7 +161,8 @@ def test_bench_compare_starts_each_server_in_turn(monkeypatch: pytest.MonkeyPatc
     assert rc == 0
     text = capsys.readouterr().out
     assert text.splitlines()[0].split() == ["HBM-only", "kvtier"]
-    assert text.splitlines()[-1].startswith(
+    ratios = [x for x in text.splitlines() if x.startswith("kvtier vs HBM-only: ")]
+    assert len(ratios) == 5 and ratios[0].startswith(
         "kvtier vs HBM-only: median TTFT of repeated-prefix requests ")
     assert [sa.kvtier for sa in launched] == [False, True]
     assert launched[1].settings == {"dram_size": "1GiB"}

@@ -4,9 +4,11 @@
     kvtier bench [NAME] [args]         a benchmark; NAME is one of kvtier.bench.BENCHES
                                        (default: serving, so `kvtier bench --compare ...` works)
     kvtier config [--json]             every kvtier setting with its default and its doc
+    kvtier --version                   the installed kvtier's version
 
 Subcommands import their heavy dependencies only when they run; ``kvtier --help`` imports no
-vLLM and no torch.
+vLLM and no torch; ``kvtier --version`` imports nothing beyond the standard library (it is
+what one runs to report a broken install).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+import kvtier
 from kvtier import bench
+
+
+def version_line() -> str:
+    return f"kvtier {kvtier.__version__}"
 
 
 def _bench_modules() -> dict[str, Any]:
@@ -31,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvtier", allow_abbrev=False,
                                 description="kvtier: a KV-cache offload tier for vLLM.")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,bench,config}")
 
     sp = sub.add_parser("serve", allow_abbrev=False, help="start vLLM's OpenAI server with kvtier",
@@ -40,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-model-len 32768")
     serve.add_arguments(sp)
     sp.add_argument("--dry-run", action="store_true",
-                    help="print the vLLM command instead of running it")
+                    help="check the arguments with vLLM's parser and print the vLLM command "
+                    "instead of running it")
     sp.add_argument("--ready-timeout", type=float, default=900.0,
                     help="seconds to wait for the server to answer /health")
 
@@ -102,6 +111,9 @@ def _print_config(as_json: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = _with_default_bench(list(sys.argv[1:] if argv is None else argv))
+    if args_in == ["--version"]:  # before build_parser, which imports pydantic
+        print(version_line())
+        return 0
     parser = build_parser()
     args, rest = parser.parse_known_args(args_in)
     if args.command != "serve" and rest:
@@ -116,17 +128,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         sa = serve.from_namespace(args, rest)
+        if not args.dry_run:
+            return serve.serve(sa, args.ready_timeout)
         cmd = serve.vllm_command(sa)
+        serve.preflight(sa, cmd, check_port=False)
     except ConfigError as e:
         print(f"kvtier serve: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        import shlex
+    import shlex
 
-        print(shlex.join(cmd))
-        return 0
-    return serve.serve(sa, args.ready_timeout)
-
+    print(shlex.join(cmd))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

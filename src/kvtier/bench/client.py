@@ -9,8 +9,9 @@ Contracts:
   (``time.perf_counter``) on the client, so they include the HTTP round trip.
 - ``cached_tokens`` is the server's ``usage.prompt_tokens_details.cached_tokens`` (vLLM:
   prefix-cache hits plus tokens a KV connector supplied), or None when the server sent none.
-- The driver keeps exactly ``concurrency`` requests in flight (fixed-concurrency mode) or
-  starts requests at seeded arrival times (fixed-rate mode, Poisson or constant gaps), and
+- The driver keeps exactly ``concurrency`` requests in flight (fixed-concurrency mode),
+  starts requests at seeded arrival times (fixed-rate mode, Poisson or constant gaps), or at
+  each request's own ``at`` (schedule mode: a replayed trace's timestamps), and
   stops issuing after ``requests`` requests or ``duration`` seconds; requests in flight then
   run to completion and are counted. A workload request that waits on one in flight (the next
   turn of a session) delays its slot or its arrival; it is never reordered.
@@ -62,7 +63,8 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class LoadShape:
-    """How requests are issued: ``concurrency`` xor ``rate``; ``requests`` xor ``duration``."""
+    """How requests are issued: one of ``concurrency``, ``rate``, ``schedule``; ``requests``
+    xor ``duration``."""
 
     concurrency: int | None = 4
     rate: float | None = None
@@ -70,10 +72,11 @@ class LoadShape:
     requests: int | None = 32
     duration: float | None = None
     seed: int = 0
+    schedule: bool = False
 
     def __post_init__(self) -> None:
-        if (self.concurrency is None) == (self.rate is None):
-            raise ValueError("give exactly one of concurrency and rate")
+        if (self.concurrency is not None) + (self.rate is not None) + self.schedule != 1:
+            raise ValueError("give exactly one of concurrency, rate and a schedule")
         if (self.requests is None) == (self.duration is None):
             raise ValueError("give exactly one of requests and duration")
         if self.concurrency is not None and self.concurrency < 1:
@@ -89,6 +92,7 @@ class LoadShape:
 
     def describe(self) -> str:
         how = (f"concurrency {self.concurrency}" if self.concurrency is not None
+               else "the trace's timestamps" if self.schedule
                else f"{self.rate:g} req/s ({self.arrival})")
         until = (f"{self.requests} requests" if self.requests is not None
                  else f"{self.duration:g} s")
@@ -195,6 +199,8 @@ class _Source:
         self.cond = asyncio.Condition()
 
     def _stopped(self) -> bool:
+        if self.workload.exhausted:
+            return True
         if self.load.requests is not None and self.issued >= self.load.requests:
             return True
         return self.deadline is not None and time.perf_counter() >= self.deadline
@@ -206,6 +212,8 @@ class _Source:
                 if spec is not None:
                     self.issued += 1
                     return spec
+                if self.workload.exhausted:
+                    return None
                 timeout = None if self.deadline is None else max(
                     0.0, self.deadline - time.perf_counter())
                 try:
@@ -247,10 +255,18 @@ async def drive(url: str, model: str, workload: Workload, load: LoadShape,
                     await one(spec)
 
             await asyncio.gather(*(worker() for _ in range(load.concurrency)))
+        elif load.schedule:
+            tasks: list[asyncio.Task[None]] = []
+            while (spec := await source.acquire()) is not None:
+                delay = t0 + (spec.at or 0.0) - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(spec)))
+            await asyncio.gather(*tasks)
         else:
             assert load.rate is not None
             rng = random.Random(f"arrivals-{load.seed}")
-            tasks: list[asyncio.Task[None]] = []
+            tasks = []
             due = t0
             while True:
                 delay = due - time.perf_counter()

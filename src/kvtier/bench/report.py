@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from kvtier.bench.metrics import Summary, ttft_ratio
+from kvtier.bench.metrics import Summary, ratios
 
 
 def _num(x: float | int | None, fmt: str = "{:,.0f}") -> str:
@@ -31,6 +31,15 @@ def _per_req(total: int | None, s: Summary) -> str:
     return f"{total:,} ({total / ok:,.0f}/req)"
 
 
+def _has_connector_count(s: Summary) -> bool:
+    return s.token_source == "vllm" or s.kvtier_present
+
+
+def _connector(s: Summary) -> str:
+    """vLLM's count for any connector; kvtier's own where vLLM has none; else unknown."""
+    return _per_req(s.connector_tokens, s) if _has_connector_count(s) else "- (not exported)"
+
+
 ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("requests (failed)", lambda s: f"{s.requests} ({s.failed})"),
     ("wall time", lambda s: f"{s.duration_s:.1f} s"),
@@ -38,17 +47,21 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("input tok/s", lambda s: _num(s.input_tok_s)),
     ("TTFT p50 / p90 / p99 (ms)", lambda s: " / ".join(
         _num(v, "{:,.1f}") for v in (s.ttft_p50_ms, s.ttft_p90_ms, s.ttft_p99_ms))),
-    ("TTFT p50, repeated-prefix reqs (ms)", lambda s: _num(s.ttft_repeat_p50_ms, "{:,.1f}")),
-    ("TTFT p50, first-seen reqs (ms)", lambda s: _num(s.ttft_first_p50_ms, "{:,.1f}")),
+    ("TTFT p50 / p99, repeated-prefix reqs (ms)", lambda s: " / ".join(
+        _num(v, "{:,.1f}") for v in (s.ttft_repeat_p50_ms, s.ttft_repeat_p99_ms))),
+    ("TTFT p50 / p99, first-seen reqs (ms)", lambda s: " / ".join(
+        _num(v, "{:,.1f}") for v in (s.ttft_first_p50_ms, s.ttft_first_p99_ms))),
     ("ITL p50 / p90 (ms)", lambda s: " / ".join(
         _num(v, "{:,.1f}") for v in (s.itl_p50_ms, s.itl_p90_ms))),
     ("prompt tokens", lambda s: _per_req(s.prompt_tokens, s)),
+    ("prompt tokens computed", lambda s: _per_req(s.computed_tokens, s)),
     ("prompt tokens from HBM", lambda s: _per_req(s.hbm_tokens, s)),
-    ("prompt tokens from kvtier", lambda s: _per_req(s.kvtier_tokens, s)
-     if s.kvtier_present else "- (off)"),
+    ("prompt tokens from the KV connector", _connector),
     ("HBM share of repeated-prefix tokens", lambda s: _pct(s.hbm_share_of_repeat)),
-    ("kvtier / whole-chunk prefix tokens", lambda s: _pct(s.kvtier_share_of_restorable)
-     if s.kvtier_present else "- (off)"),
+    ("connector / whole-chunk prefix tokens", lambda s: _pct(s.connector_share_of_restorable)
+     if _has_connector_count(s) else "-"),
+    ("token sources from", lambda s: "vllm:prompt_tokens_by_source" if s.token_source == "vllm"
+     else "usage + vllm:kvtier_*" if s.kvtier_present else "usage"),
 ]
 
 
@@ -66,24 +79,27 @@ def table(summaries: Sequence[Summary]) -> str:
     return "\n".join([line(head), rule, *(line(r) for r in body)])
 
 
+def _factor(x: float) -> str:
+    return f"{x:.1f}x" if x >= 2 else f"{x:.2f}x"
+
+
 def ratio_lines(summaries: Sequence[Summary]) -> list[str]:
-    """``NAME vs BASE: median TTFT of repeated-prefix requests N.Nx lower`` for every
-    configuration after the first (the baseline)."""
+    """One line per measure (:data:`kvtier.bench.metrics.RATIOS`) for every configuration
+    after the first (the baseline): ``NAME vs BASE: MEASURE N.Nx lower|higher``, ending in
+    ``  <- LOSS`` when it is worse than the baseline."""
     if len(summaries) < 2:
         return []
     base = summaries[0]
     out = []
     for s in summaries[1:]:
-        r = ttft_ratio(base, s)
-        what = "median TTFT of repeated-prefix requests"
-        if r is None and base.ttft_p50_ms and s.ttft_p50_ms:  # e.g. no-reuse: all requests
-            r, what = base.ttft_p50_ms / s.ttft_p50_ms, "median TTFT (no repeated prefixes)"
-        if r is None:
+        rs = ratios(base, s)
+        if not rs:
             out.append(f"{s.name} vs {base.name}: no requests to compare")
-        elif r >= 1:
-            out.append(f"{s.name} vs {base.name}: {what} {r:.1f}x lower")
-        else:
-            out.append(f"{s.name} vs {base.name}: {what} {1 / r:.1f}x higher")
+        for r in rs:
+            how = ("the same" if r.factor == 1.0 else
+                   f"{_factor(r.factor)} {'lower' if r.lower else 'higher'}")
+            out.append(f"{s.name} vs {base.name}: {r.label} {how}"
+                       f"{'  <- LOSS' if r.loss else ''}")
     return out
 
 

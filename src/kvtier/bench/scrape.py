@@ -19,6 +19,10 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 KVTIER_PREFIX = "vllm:kvtier_"
 RESTORED = "vllm:kvtier_restored_tokens_total"
+# vLLM's own prompt-token attribution (0.25.1 and 0.32), whatever the connector (none, native
+# offloading, LMCache, kvtier): local_compute + local_cache_hit + external_kv_transfer = total.
+BY_SOURCE = "vllm:prompt_tokens_by_source"
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CHUNK_TOKENS = "vllm:kvtier_chunk_tokens"
 
 
@@ -78,7 +82,8 @@ async def scrape(url: str, timeout: float = 30.0) -> Samples:
         return parse(await r.text())
 
 
-async def scrape_settled(url: str, watch: tuple[str, ...] = (RESTORED, "vllm:prompt_tokens_total"),
+async def scrape_settled(url: str, watch: tuple[str, ...] = (RESTORED, BY_SOURCE,
+                                                           "vllm:prompt_tokens_total"),
                          interval: float = 0.5, limit: float = 10.0) -> Samples:
     """Scrape until the watched counters stop moving (engine stats reach the frontend a step
     or a logging interval after the responses), or ``limit`` seconds pass."""

@@ -34,11 +34,13 @@ from kvtier.bench.workloads import (
     NoReuse,
     RequestSpec,
     SharedPrefix,
+    TraceReplay,
     Workload,
     warmup_prompts,
 )
 
-HELP = "serving workloads (shared-prefix, agent-sessions, no-reuse) against OpenAI endpoints"
+HELP = ("serving workloads (shared-prefix, agent-sessions, no-reuse, trace replay) against "
+        "OpenAI endpoints")
 DEFAULT_CHUNK = 256
 KEEP_METRICS = ("vllm:kvtier_", "vllm:prompt_tokens", "vllm:prefix_cache",
                 "vllm:external_prefix_cache", "vllm:num_preemptions")
@@ -58,15 +60,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for a --compare server to start (default %(default)s)")
 
     w = p.add_argument_group("workload (DESIGN.md §4)")
-    w.add_argument("--workload", choices=["shared-prefix", "agent-sessions", "no-reuse"],
-                   default="shared-prefix")
+    w.add_argument("--workload", choices=["shared-prefix", "agent-sessions", "no-reuse",
+                                          "trace"], default="shared-prefix")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
-    w.add_argument("--output-len", type=int, default=16, help="output tokens per request")
-    w.add_argument("--prefixes", type=int, default=8, help="shared-prefix: prefixes in the pool")
-    w.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: prefix tokens")
-    w.add_argument("--suffix-len", type=int, default=256,
-                   help="shared-prefix: unique suffix tokens per request")
+    # Shared-prefix options carry aiperf's names (the old names stay as aliases).
+    w.add_argument("--osl", "--output-len", dest="output_len", type=int, default=16,
+                   help="output tokens per request")
+    w.add_argument("--prompt-prefix-pool-size", "--prefixes", dest="prefixes", type=int,
+                   default=8, help="shared-prefix: prefixes in the pool")
+    w.add_argument("--prompt-prefix-length", "--prefix-len", dest="prefix_len", type=int,
+                   default=2048, help="shared-prefix: prefix tokens")
+    w.add_argument("--isl", "--suffix-len", dest="suffix_len", type=int, default=256,
+                   help="shared-prefix: unique tokens per request after its prefix")
     w.add_argument("--order", choices=["round-robin", "random"], default="round-robin",
                    help="shared-prefix: which prefix each request uses")
     w.add_argument("--sessions", type=int, default=8,
@@ -79,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--message-len", type=int, default=64,
                    help="agent-sessions: new-message tokens added per turn")
     w.add_argument("--prompt-len", type=int, default=2048, help="no-reuse: prompt tokens")
+    w.add_argument("--trace", metavar="JSONL", help="trace: an aiperf/Mooncake-style trace "
+                   "(timestamp, input_length, output_length, hash_ids per line)")
+    w.add_argument("--trace-block-size", type=int, default=512,
+                   help="trace: tokens per hash id (default %(default)s, Mooncake's)")
+    w.add_argument("--trace-timing", action="store_true",
+                   help="trace: send each request at its timestamp instead of at a "
+                   "concurrency or rate")
 
     ld = p.add_argument_group("load")
     how = ld.add_mutually_exclusive_group()
@@ -111,17 +124,31 @@ def make_workload(args: argparse.Namespace) -> Workload:
     if args.workload == "agent-sessions":
         return AgentSessions(args.sessions, args.turns, args.first_len, args.tool_len,
                              args.message_len, args.output_len, args.seed, args.vocab)
+    if args.workload == "trace":
+        if not args.trace:
+            raise ValueError("--workload trace needs --trace FILE")
+        try:
+            return TraceReplay(args.trace, args.trace_block_size, args.seed, args.vocab)
+        except OSError as e:
+            raise ValueError(f"cannot read the trace: {e}") from None
     return NoReuse(args.prompt_len, args.output_len, args.seed, args.vocab)
 
 
-def make_load(args: argparse.Namespace) -> LoadShape:
+def make_load(args: argparse.Namespace, workload: Workload | None = None) -> LoadShape:
+    """The load from the flags; a trace defaults to all its records, once."""
+    schedule = bool(getattr(args, "trace_timing", False))
+    if schedule and (args.concurrency is not None or args.rate is not None):
+        raise ValueError("--trace-timing sends at the trace's timestamps: drop --concurrency "
+                         "and --rate")
+    if schedule and args.workload != "trace":
+        raise ValueError("--trace-timing needs --workload trace")
     conc = args.concurrency if args.rate is None else None
-    if conc is None and args.rate is None:
+    if conc is None and args.rate is None and not schedule:
         conc = 4
     reqs = args.requests if args.duration is None else None
     if reqs is None and args.duration is None:
-        reqs = 32
-    return LoadShape(conc, args.rate, args.arrival, reqs, args.duration, args.seed)
+        reqs = len(workload.records) if isinstance(workload, TraceReplay) else 32
+    return LoadShape(conc, args.rate, args.arrival, reqs, args.duration, args.seed, schedule)
 
 
 @dataclass
@@ -155,7 +182,8 @@ async def run_one(name: str, url: str, args: argparse.Namespace,
     """Warm up, scrape, drive the workload, scrape, summarise. Raises on an unreachable
     server; failed requests are counted, not raised."""
     model = args.model or await discover_model(url)
-    workload, load = make_workload(args), make_load(args)
+    workload = make_workload(args)
+    load = make_load(args, workload)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for i, p in enumerate(warmup_prompts(args.warmup, 128, args.seed, args.vocab)):
@@ -166,15 +194,16 @@ async def run_one(name: str, url: str, args: argparse.Namespace,
     before = await scrape.scrape(url)
     bar = _progress(name, load, args.no_progress)
     results, wall = await drive(url, model, workload, load,
-                                on_done=(lambda _r: bar.update(1)) if bar else None,
+                                on_done=(lambda _r: bar.update(1)) if bar is not None else None,
                                 extra=args.extra_body)
-    if bar:
+    if bar is not None:  # a tqdm without a total (a --duration run) refuses bool()
         bar.close()
     after = await scrape.scrape_settled(url)
     delta = scrape.delta(after, before)
     present = scrape.has_kvtier(after)
     chunk = args.chunk_tokens or int(scrape.total(after, scrape.CHUNK_TOKENS) or 0) or DEFAULT_CHUNK
-    summary = summarize(name, results, wall, delta, chunk, present)
+    by_source = scrape.total(after, scrape.BY_SOURCE) is not None
+    summary = summarize(name, results, wall, delta, chunk, present, by_source)
     info = {"model": model, "vllm_version": await _version(url), "shape": workload.shape(),
             "load": load.describe(),
             "metrics_delta": {k: v for k, v in delta.items() if k.startswith(KEEP_METRICS)}}
@@ -210,26 +239,55 @@ def parse_compare(items: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def run_compare(args: argparse.Namespace, out_dir: str) -> list[Run]:
+@dataclass
+class Config:
+    """One ``--compare`` configuration, checked and ready to start."""
+
+    name: str
+    argv: list[str]
+    serve_args: Any  # kvtier.vllm.serve.ServeArgs (imported lazily)
+
+
+def prepare_compare(items: list[str]) -> list[Config]:
+    """Parse and check every ``--compare`` configuration before any server starts: kvtier's
+    flags and settings, vLLM's flags (vLLM's own parser), and a --port given must be free.
+    Raises ValueError naming the configuration."""
+    from kvtier.config import ConfigError
+    from kvtier.vllm import serve
+
+    out = []
+    for name, argv in parse_compare(items):
+        try:
+            sa = serve.parse(argv)
+            own_port = serve.flag_value(sa.vllm_args, "--port") is not None
+            if not own_port:
+                sa.vllm_args += ["--port", str(free_port())]
+            if serve.flag_value(sa.vllm_args, "--host") is None:
+                sa.vllm_args += ["--host", "127.0.0.1"]
+            serve.preflight(sa, serve.vllm_command(sa), check_port=own_port)
+        except ConfigError as e:
+            raise ValueError(f"--compare {name}: {e}") from None
+        out.append(Config(name, argv, sa))
+    return out
+
+
+def run_compare(args: argparse.Namespace, configs: list[Config], out_dir: str) -> list[Run]:
     """Start each configuration's server, run the workload against it, stop it; in order."""
     from kvtier.vllm import serve
 
     runs = []
-    for name, argv in parse_compare(args.compare):
-        sa = serve.parse(argv)
-        if serve.flag_value(sa.vllm_args, "--port") is None:
-            sa.vllm_args += ["--port", str(free_port())]
-        if serve.flag_value(sa.vllm_args, "--host") is None:
-            sa.vllm_args += ["--host", "127.0.0.1"]
+    for cfg in configs:
+        name, sa = cfg.name, cfg.serve_args
         url = serve.base_url(sa.vllm_args)
         log_path = os.path.join(out_dir, f"server-{_slug(name)}.log")
-        print(f"[{name}] starting: kvtier serve {shlex.join(argv)}", file=sys.stderr, flush=True)
+        print(f"[{name}] starting: kvtier serve {shlex.join(cfg.argv)}", file=sys.stderr,
+              flush=True)
         with open(log_path, "wb") as log:
             proc = serve.launch(sa, log)
             try:
                 waited = serve.wait_ready(url, proc, args.server_timeout, log_path)
                 print(f"[{name}] ready after {waited:.0f} s at {url}", file=sys.stderr, flush=True)
-                run = asyncio.run(run_one(name, url, args, argv))
+                run = asyncio.run(run_one(name, url, args, cfg.argv))
                 run.info["server_start_s"] = round(waited, 1)
                 runs.append(run)
             finally:
@@ -262,10 +320,9 @@ def report(runs: list[Run], out_dir: str, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        make_load(args), make_workload(args)  # validate before starting anything
-        if args.compare:
-            parse_compare(args.compare)
+    try:  # validate everything before starting anything
+        make_load(args, make_workload(args))
+        configs = prepare_compare(args.compare) if args.compare else []
     except ValueError as e:
         print(f"kvtier bench: {e}", file=sys.stderr)
         return 2
@@ -273,8 +330,8 @@ def run(args: argparse.Namespace) -> int:
         "bench", "results", f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{args.workload}")
     os.makedirs(out_dir, exist_ok=True)
     try:
-        if args.compare:
-            runs = run_compare(args, out_dir)
+        if configs:
+            runs = run_compare(args, configs, out_dir)
         else:
             runs = [asyncio.run(run_one(args.name, args.url.rstrip("/"), args))]
     except (RuntimeError, OSError, aiohttp.ClientError) as e:

