@@ -1,0 +1,64 @@
+"""Prototype of the multi-group load-failure mechanism on vLLM 0.25.1's real scheduler
+(tests/proto_multigroup_load_failure.py; the design: docs/notes/hybrid-loads-025.md). Not a
+test of kvtier's connector: a minimal connector implements option (a) so that vLLM's side of
+the mechanism is checked on its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    if not (VLLM025 / "vllm" / "__init__.py").exists():
+        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([str(VLLM025), str(ROOT / "tests"), str(ROOT / "src")]))
+    proc = subprocess.run([sys.executable, "-m", "proto_multigroup_load_failure"],
+                          cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["version"] == "0.25.1"
+    return out
+
+
+@pytest.mark.vllm025
+def test_per_block_report_with_two_groups_crashes_vllm025(results: dict[str, Any]) -> None:
+    """Why the mechanism is needed: vLLM's own report path (invalid_block_ids)."""
+    r = results["per_block_report"]
+    assert r["crashed"] and r["at"] == "v1/core/sched/scheduler.py:2546", r
+
+
+@pytest.mark.vllm025
+def test_truncating_in_update_connector_output_recomputes_from_the_boundary(
+        results: dict[str, Any]) -> None:
+    """Option (a) at a boundary above 0: no crash, exactly the tokens after the boundary are
+    scheduled, and the request ends like a cold computation (same cached blocks in both
+    groups, every block back in the pool)."""
+    mid, cold = results["truncate_mid"], results["cold"]
+    assert mid["at_promotion"]["scheduled"] == {"r": 96 - 48}
+    assert [s for s in mid["scheduled"] if s][1:] == cold["scheduled"][1:2]
+    for key in ("cached_blocks", "free_blocks", "requests_left"):
+        assert mid[key] == cold[key], key
+
+
+@pytest.mark.vllm025
+def test_truncating_to_zero_with_a_local_hit_on_retry_crashes_vllm025(
+        results: dict[str, Any]) -> None:
+    """Option (a) at boundary 0: vLLM's own failure path frees the request's blocks first
+    (scheduler.py:2420-2425); a connector cannot, and the retry's local hit meets a request
+    that still holds blocks. So (a) is not usable at 0 (the note's decision)."""
+    r = results["truncate_zero_with_local_hit"]
+    assert r["crashed"] and r["at"].startswith("v1/core/single_type_kv_cache_manager.py"), r
