@@ -127,7 +127,7 @@ def test_sizes_with_units(text: str, value: int) -> None:
 
 
 @pytest.mark.parametrize(("value", "hint"), [
-    ("64", "unit"), (64, "explicit unit"), (64.0, "explicit unit"), (True, "explicit unit"),
+    ("64", "unit"), (64.0, "explicit unit"), (True, "explicit unit"), (-64, "negative"),
     ("64G", "'64GiB'"), ("64gib", "GiB"), ("64 gigabytes", "GiB"), ("-1GiB", "e.g. '64GiB'"),
     ("1.5B", "whole number of bytes"), ("GiB", "e.g. '64GiB'"), ("1e9B", "e.g. '64GiB'"),
 ])
@@ -137,6 +137,94 @@ def test_wrong_units_say_what_to_write(value: object, hint: str) -> None:
     with pytest.raises(ConfigError) as e:
         load({"dram_size": value})
     assert "dram_size" in str(e.value) and hint in str(e.value)
+
+
+def test_json_integers_are_bytes() -> None:
+    """vLLM's expander turns {"dram_size": 1G} into 1073741824 (every int was refused, so the
+    engine did not start); a string without a unit, from a flag or a variable, stays an error."""
+    c = load({"dram_size": 1073741824, "gpu_staging_size": 64 * MiB, "pin_step_size": 2**30})
+    assert (c.dram_size, c.gpu_staging_size, c.pin_step_size) == (GiB, 64 * MiB, GiB)
+    assert parse_bytes(0) == 0 and parse_bytes(17) == 17
+    with pytest.raises(ConfigError, match="KVTIER_DRAM_SIZE"):
+        load(env={"KVTIER_DRAM_SIZE": "1073741824"})
+    with pytest.raises(ConfigError, match="dram_size"):
+        load({"dram_size": "64"})
+
+
+COUNTS_AND_NUMBERS = ["chunk_tokens", "admission_memory", "max_pending_saves",
+                      "max_pending_loads", "max_pins", "fault_skip_load_chunk",
+                      "fault_fail_loads", "fault_hold_steps", "fault_raise_in_transfer",
+                      "slru_protected_fraction", "s3fifo_small_fraction", "link_gbps",
+                      "prefill_seconds_per_token", "step_seconds"]
+
+
+@pytest.mark.parametrize("field", COUNTS_AND_NUMBERS)
+@pytest.mark.parametrize("flag", [True, False])
+def test_json_booleans_are_not_counts(field: str, flag: bool) -> None:
+    with pytest.raises(ConfigError) as e:
+        load({field: flag})
+    assert field in str(e.value) and "boolean" in str(e.value)
+
+
+def test_only_switches_take_booleans() -> None:
+    """Every field that is not a bool refuses true (a new count is covered or fails here)."""
+    for name, f in KvtierConfig.model_fields.items():
+        if f.annotation is bool:
+            assert getattr(load({name: True}), name) is True
+        else:
+            with pytest.raises(ConfigError, match=name):
+                load({name: True})
+
+
+ROUND_TRIPS = [
+    {}, {"dram_size": "128MiB"}, {"dram_size": "64MiB", "gpu_staging_size": "8MiB"},
+    {"dram_size": "8GiB", "state_size": "2GiB", "chunk_tokens": 512, "policy": "s3fifo",
+     "admission": "second_sight", "save_generated_tokens": False, "link_gbps": 55.5,
+     "transfer_path": "dma", "model_revision": "r1", "namespace_extra": "prod"},
+]
+
+
+@pytest.mark.parametrize("extra", ROUND_TRIPS)
+def test_model_dump_round_trips_through_validation(extra: dict[str, object]) -> None:
+    c = load(extra)
+    dumped = c.model_dump()
+    assert KvtierConfig.model_validate(dumped) == c
+    assert load(dumped) == c  # and as a kv_connector_extra_config
+    assert KvtierConfig.model_validate(c.model_dump(mode="json")) == c
+
+
+@settings(max_examples=100, deadline=None)
+@given(dram=st.integers(1, 2**40), staging=st.one_of(st.none(), st.integers(1, 2**40)))
+def test_staging_is_never_larger_than_dram_one_rule(dram: int, staging: int | None) -> None:
+    """Unset, staging is 256MiB or dram_size if smaller; set, it must fit in dram_size. The
+    same rule for both, so a dump of either validates back."""
+    extra: dict[str, object] = {"dram_size": dram}
+    if staging is not None:
+        extra["gpu_staging_size"] = staging
+    if staging is not None and staging > dram:
+        with pytest.raises(ConfigError, match="gpu_staging_size"):
+            load(extra)
+        return
+    c = load(extra)
+    assert c.gpu_staging_size <= c.dram_size
+    assert c.gpu_staging_size == (staging if staging is not None else min(256 * MiB, dram))
+    assert KvtierConfig.model_validate(c.model_dump()) == c
+
+
+def test_a_misspelt_prefix_beside_valid_variables_is_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    env = {"KVTIER_POLICY": "lru", "KVTEIR_DRAM_SIZE": "64GiB", "KVITER_MAX_PINS": "5",
+           "KV_TIER_POLICY": "lru", "HOME": "/root", "VLLM_DRAM_SIZE": "1GiB",
+           "KVTEIR_NOT_A_SETTING": "1"}
+    with caplog.at_level("WARNING", logger="kvtier"):
+        c = load(env=env)
+    assert c.policy == "lru" and c.dram_size == 4 * GiB and c.max_pins == 1 << 16
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("KVTEIR_DRAM_SIZE" in m and "did you mean KVTIER_DRAM_SIZE" in m
+               for m in warned), warned
+    assert any("KVITER_MAX_PINS" in m for m in warned), warned
+    assert not any(v in m for m in warned for v in ("HOME", "VLLM_DRAM_SIZE",
+                                                    "KVTEIR_NOT_A_SETTING")), warned
 
 
 def test_bad_size_in_environment_names_the_variable() -> None:
@@ -183,8 +271,9 @@ def test_staging_larger_than_dram_says_what_fits() -> None:
         load({"dram_size": "128MiB", "gpu_staging_size": "256MiB"})
     assert "gpu_staging_size of at most 128MiB" in str(e.value)
     assert load({"dram_size": "128MiB", "gpu_staging_size": "64MiB"}).dram_size == 128 * MiB
-    # the default staging is not the user's choice: a small dram_size is fine with it
-    assert load({"dram_size": "128MiB"}).dram_size == 128 * MiB
+    # the default staging is not the user's choice: with a small dram_size it is dram_size
+    assert load({"dram_size": "128MiB"}).gpu_staging_size == 128 * MiB
+    assert load({"dram_size": "1GiB"}).gpu_staging_size == 256 * MiB
 
 
 def test_chunk_size_default_is_a_multiple_of_every_block_size() -> None:

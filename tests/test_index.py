@@ -132,6 +132,37 @@ def test_pin_of_a_chunk_that_is_not_ready_raises() -> None:
     assert idx.stats().pinned == 0
 
 
+def test_a_refused_pin_leaves_another_loads_pins_alone() -> None:
+    """Two overlapping loads: the first pinned a, a/b; the second asks for a, a/b, a/b/c while
+    a/b/c is still writing. Its KeyError must not release the first load's pins (it did: the
+    chunks it reads became evictable), and the first load's own unpin must still balance."""
+    idx = make_index(kv_slots=3)
+    store_chain(idx, [(1,), (1, 2)])
+    first = idx.pin(0, [key((1,)), key((1, 2))])
+    writing = idx.reserve(0, key((1, 2, 3)), key((1, 2)))
+    assert isinstance(writing, Entry)
+    with pytest.raises(KeyError, match="decide first"):
+        idx.pin(0, [key((1,)), key((1, 2)), key((1, 2, 3))])
+    assert [e.pins for e in first] == [1, 1] and idx.stats().pinned == 2
+    idx.abort(writing)  # frees its slot; the store is full of the first load's pinned chunks
+    assert isinstance(idx.reserve(0, key((7,)), None), Entry)
+    assert idx.reserve(0, key((8,)), None) is DeclineSave.FULL  # a/b is pinned, a a parent
+    idx.unpin(first)
+    assert idx.stats().pinned == 0
+    idx.check_invariants()
+
+
+def test_a_refused_pin_raises_key_error_when_nothing_else_is_pinned() -> None:
+    """The refusal is a KeyError, not 'unpinned more often than pinned' from the rollback."""
+    idx = make_index()
+    store_chain(idx, [(1,)])
+    idx.reserve(0, key((1, 2)), key((1,)))
+    with pytest.raises(KeyError, match="decide first"):
+        idx.pin(0, [key((1,)), key((1, 2))])
+    assert idx.stats().pinned == 0
+    idx.check_invariants()
+
+
 class IndexMachine(RuleBasedStateMachine):
     """Random store / lookup / pin / complete / fail / evict / reset sequences."""
 

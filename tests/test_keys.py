@@ -19,7 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier.keys as keys_mod
+from kvtier.config import KvtierConfig
 from kvtier.keys import UNSUPPORTED, Namespace, RequestKeys, chunk_key, encode_extra
+from kvtier.layout import GroupKind
+from kvtier.planner import Decline, Geometry, GroupGeometry, make_slab_plan
+from kvtier.scheduler import OffloadScheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = bool(os.environ.get("KVTIER_SOAK"))
@@ -178,6 +182,51 @@ def test_extra_keys_kvtier_cannot_include_make_the_request_unsaveable() -> None:
         assert rk.update([*TOKENS, *TOKENS]) == 3  # no keys ever after
     assert encode_extra(object()) is None and encode_extra(UNSUPPORTED) is None
     assert encode_extra(None) == encode_extra(()) == encode_extra([]) == b""
+
+
+UNENCODABLE_EXTRAS = [2**64, -(2**63) - 1, ("lora", 2**64), "mm-\ud800", [b"x", "\udfff"]]
+
+
+@pytest.mark.parametrize("bad", UNENCODABLE_EXTRAS, ids=repr)
+def test_extra_keys_that_cannot_be_encoded_make_the_request_unsaveable(bad: object) -> None:
+    """Plain types whose values msgpack cannot encode (an int of 2**64, a lone surrogate)
+    mark the request unsaveable; they raised OverflowError / UnicodeEncodeError before."""
+    assert encode_extra(bad) is None
+    rk = RequestKeys(ns().digest(), C, extra_keys=lambda s, e: bad if s >= 2 * C else None)
+    assert rk.update(TOKENS) == 2 and rk.unsaveable
+    assert rk.update([*TOKENS, *TOKENS]) == 2
+
+
+def test_a_salt_that_cannot_be_encoded_makes_the_request_unsaveable() -> None:
+    assert encode_extra(None, salt="tenant-\ud800") is None
+    rk = RequestKeys(ns().digest(), C, cache_salt="tenant-\ud800")
+    assert rk.update(TOKENS) == 0 and rk.unsaveable
+
+
+@pytest.mark.parametrize("token", [2**32, -1])
+def test_a_token_id_outside_uint32_makes_the_request_unsaveable(token: int) -> None:
+    tokens = [*TOKENS[: 3 * C], token, *TOKENS[3 * C:]]
+    rk = RequestKeys(ns().digest(), C)
+    assert rk.update(tokens) == 3 and rk.unsaveable
+
+
+def test_the_scheduler_declines_and_counts_requests_it_cannot_key() -> None:
+    """Through OffloadScheduler.lookup / plan_saves: an extra key of 2**64 and a salt with a
+    lone surrogate decline the load and skip the saves, counted once each; nothing raises."""
+    geo = Geometry(C, (GroupGeometry(GroupKind.FULL, C, 4096),))
+    cfg = KvtierConfig(dram_size="1MiB", chunk_tokens=C)
+    sched = OffloadScheduler(cfg, geo, ns().digest(), make_slab_plan(cfg, geo, 1))
+    sched.add_request("big-int", extra_keys=lambda s, e: ("lora", 2**64))
+    sched.add_request("surrogate", cache_salt="tenant-\ud800")
+    for req in ("big-int", "surrogate"):
+        assert sched.lookup(req, TOKENS, 0) == 0
+        assert sched.plan_saves(req, TOKENS, len(TOKENS), len(TOKENS)) == []
+        assert sched.plan_saves(req, TOKENS, len(TOKENS), len(TOKENS)) == []
+    assert sched.stats.declined[Decline.UNSAVEABLE.value] == 2
+    assert sched.stats.unsaveable_requests == 2
+    sched.add_request("plain")  # and the scheduler still keys and saves other requests
+    sched.on_blocks("plain", [list(range(1, len(TOKENS) // C + 2))])
+    assert len(sched.plan_saves("plain", TOKENS, len(TOKENS), len(TOKENS))) == len(TOKENS) // C
 
 
 # --- incremental keying and its cost ------------------------------------------------------------

@@ -63,6 +63,39 @@ def test_ambiguous_block_axis_asks_for_block_axes() -> None:
         one("model.layers.0.attn", torch.empty(NB, NB, 4))
 
 
+@pytest.mark.parametrize("nb,make", [
+    (1, lambda: torch.empty(1, 2, 16, 8)),  # one block: every dimension is a multiple of 1
+    (1, lambda: torch.empty(2, 1, 16, 8)),
+    (2, lambda: torch.empty(2, 4, 16, 8)),  # K/V first, 2 kernel blocks per block
+    (2, lambda: torch.empty(4, 2, 16, 8)),  # blocks first, 2 kernel blocks, K/V
+], ids=["1-blocks-first", "1-kv-first", "2-kv-first-kernel-blocks", "2-blocks-first"])
+def test_tiny_block_counts_are_never_guessed(nb: int, make) -> None:  # type: ignore[no-untyped-def]
+    """Sizes cannot tell a K/V axis of 2 from 2 blocks: asked for block_axes, never guessed
+    (a (2, 4, ...) cache of 2 blocks had its K/V axis taken as the block axis)."""
+    t = make()
+    with pytest.raises(LayoutError, match="ambiguous") as e:
+        one("model.layers.0.attn", t, nb)
+    assert_names_layer_shape_strides(e.value, "model.layers.0.attn", t)
+
+
+def test_kv_first_kernel_blocks_of_two_blocks_with_the_given_axis() -> None:
+    t = torch.arange(2 * 4 * 16 * 8, dtype=torch.float32).view(2, 4, 16, 8)
+    lay = one("model.layers.0.attn", t, 2, block_axes={"model.layers.0.attn": 1})
+    assert [s.role for s in lay.group(0).segments] == ["k", "v"]
+    check_group(lay.group(0), [lambda b: t[:, 2 * b : 2 * b + 2]], ids=[1, 0],
+                blocks_per_chunk=1)
+
+
+def test_one_block_of_a_head_outer_layout_keeps_every_head() -> None:
+    """With one block the block axis' stride is whatever the view says; a head dimension with
+    the same stride was neither inside nor outside the block, and half the bytes were lost."""
+    t = torch.arange(2 * 16 * 8, dtype=torch.float32).view(2, 1, 16, 8).transpose(0, 1)
+    assert t.stride(0) == t.stride(1)
+    lay = one("model.layers.0.attn", t, 1, block_axes={"model.layers.0.attn": 0})
+    assert lay.group(0).bytes_per_block == t.numel() * 4
+    check_group(lay.group(0), [lambda b: t[b]], ids=[0], blocks_per_chunk=1)
+
+
 def test_token_major_mla_uses_the_given_block_count() -> None:
     # Other engines store MLA latents token-major: (nb * bs, 1, 576).
     bs = 16

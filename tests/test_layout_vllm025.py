@@ -301,3 +301,22 @@ print(json.dumps(out))
     for rec, (shape, order) in zip(picks, got):
         assert shape == rec["shape"], where(rec)
         assert order == rec["stride_order"], where(rec)
+
+
+def test_tiny_block_counts_take_the_block_axis_from_the_backend() -> None:
+    """1 and 2 blocks, with and without kernel-block splitting, block-first (FLASH_ATTN NHD and
+    HND, TRITON_ATTN) and K/V-first (ROCM_ATTN, also hybrid-restrided), and mamba state beside
+    attention, registered by 0.25.1's own _reshape_attention_kv_cache
+    (tests/_vllm025_block_axes.py). Sizes alone are ambiguous in every case: kvtier's core
+    refuses to guess (it took the K/V axis as the block axis of a (2, 4, ...) cache of 2
+    blocks); the connector's block axes, probed from get_kv_cache_shape, are vLLM's
+    get_kv_cache_block_dim and move exactly each block's bytes."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        str(p) for p in (VLLM025, ROOT / "src", ROOT / "tests")))
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "_vllm025_block_axes.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    done = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(done) == 23, done
+    assert "RocmAttentionBackend nb=2 ratio=2 restride=False" in done
+    assert "mamba nb=1" in done and "page-size fallback" in done

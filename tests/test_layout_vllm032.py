@@ -47,6 +47,7 @@ from _kvcheck import BlockAddresser, check_group, phys_bytes
 from _vllm032 import LAYOUTS, Allocated, allocate
 from kvtier.codec import gather, scatter
 from kvtier.layout import GroupKind, Layout, LayoutError, build_layout
+from kvtier.vllm.block_axes import registered_block_axes
 
 NB = 37  # a prime: no other dimension of these caches is a multiple of it
 BLOCK_COMPACT = [lay for lay in LAYOUTS if lay.is_block_compact]
@@ -162,6 +163,73 @@ def test_cpu_backend_layout_and_kernel_blocks() -> None:
     m = allocate({attn(i): mspec for i in range(2)}, layout, NB, kernel_block_sizes=[kbs])
     assert m.ratio(0) == 4
     check_all_groups(m, layout_of(m))
+
+
+# --- tiny block counts: the block axis vLLM declares, never one guessed from sizes -----------
+
+def check_every_block(a: Allocated, lay: Layout) -> None:
+    """check_group on every block of every group (the default sample is empty for 1 block)."""
+    for gid, g in enumerate(a.config.kv_cache_groups):
+        names = sorted(g.layer_names, key=lambda n: (int(n.split(".")[2]), n))
+        check_group(lay.group(gid), [a.addresser(n, gid) for n in names], seed=gid,
+                    ids=list(range(a.num_blocks)), blocks_per_chunk=1)
+
+
+def tiny_layout(a: Allocated) -> Layout:
+    """What the connector builds: block axes from kvtier.vllm.block_axes."""
+    axes = registered_block_axes(a.kv_caches, a.config, {}, "auto")
+    assert axes == {n: 0 for n in a.kv_caches}  # axis 0 of the registered [B, ...] views
+    return build_layout(a.kv_caches, a.group_specs(), a.num_blocks, block_axes=axes)
+
+
+def assert_sizes_do_not_decide(a: Allocated) -> None:
+    """kvtier's core refuses to take the block axis from the sizes of these caches."""
+    with pytest.raises(LayoutError, match="ambiguous"):
+        layout_of(a)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_tiny_block_counts_dense(layout: KVCacheLayout, num_blocks: int) -> None:
+    """With one block a head-outer layout (LHBNC) lost half of each block: its head dimension
+    has the block axis' stride and was neither inside nor outside the block."""
+    specs = {attn(i): dense_spec(FlashAttentionBackend, heads=2) for i in range(2)}
+    a = allocate(specs, layout, num_blocks)
+    lay = tiny_layout(a)
+    assert lay.group(0).bytes_per_block == 2 * specs[attn(0)].page_size_bytes
+    check_every_block(a, lay)
+    assert lay.fingerprint == layout_of(allocate(specs, layout, NB)).fingerprint
+    assert_sizes_do_not_decide(a)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_tiny_block_counts_with_kernel_blocks(num_blocks: int) -> None:
+    spec = mla_spec(FlashMLABackend, block_size=128)  # two 64-token kernel blocks per block
+    a = allocate({attn(i): spec for i in range(2)}, KVCacheLayout.LBHNC, num_blocks,
+                 kernel_block_sizes=[64])
+    assert a.kv_caches[attn(0)].shape[0] == 2 * num_blocks
+    lay = tiny_layout(a)
+    assert lay.group(0).num_blocks == num_blocks
+    assert lay.group(0).bytes_per_block == 2 * spec.page_size_bytes
+    check_every_block(a, lay)
+    assert_sizes_do_not_decide(a)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_tiny_block_counts_with_recurrent_state(num_blocks: int) -> None:
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=1, intermediate_size=256, n_groups=1, num_heads=8, head_dim=32,
+        state_size=16, conv_kernel=4)
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "float32")
+    mamba = MambaSpec(block_size=64, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+    full = dense_spec(FlashAttentionBackend, block_size=64)
+    specs: dict[str, KVCacheSpec] = {"model.layers.0.mixer": mamba, attn(1): full}
+    a = allocate(specs, KVCacheLayout.LBHNC, num_blocks)
+    lay = tiny_layout(a)
+    sid = [g.kind for g in a.group_specs()].index(GroupKind.STATE)
+    assert lay.group(sid).bytes_per_block == mamba.state_content_size_bytes
+    check_every_block(a, lay)
+    assert_sizes_do_not_decide(a)
 
 
 # --- MLA ---------------------------------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import example, given, settings
 
 from kvtier.config import KvtierConfig
+from kvtier.index.base import Entry
+from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.policy import POLICIES, SecondSight, make_admission, make_policy
 from kvtier.policy.base import EvictionPolicy
+from kvtier.slab import SlotAllocator
 
 
 def always(_: object) -> bool:
@@ -120,3 +125,89 @@ def test_second_sight_admits_from_the_second_offer_and_forgets_beyond_memory() -
 def test_unknown_policy_name() -> None:
     with pytest.raises(ValueError, match="choose one of"):
         make_policy("mru", 4)
+
+
+def test_s3fifo_offers_a_small_queue_leaf_when_main_holds_only_parents() -> None:
+    """insert a; touch a; insert b as a's child; only b may go -> b is offered (it was None:
+    the search cycled through the main queue, where a is a parent, and never looked at small)."""
+    p = make_policy("s3fifo", 10)
+    p.insert("a")
+    p.touch("a")
+    p.insert("b", parent="a")
+    assert p.victim(lambda k: k == "b") == "b"
+    assert "a" in p and "b" not in p
+    assert p.victim(lambda k: False) is None and "a" in p  # the refused key stays listed
+
+
+def test_s3fifo_index_saves_past_a_parent_in_main() -> None:
+    """The same case through the index: a full store whose only evictable chunk is a leaf in
+    the small queue accepts a new save instead of declining it as full."""
+    idx = MemoryIndex([GroupIndexSpec(0, make_policy("s3fifo", 2))], SlotAllocator([2]))
+    a = idx.reserve(0, b"a", None)
+    assert isinstance(a, Entry) and idx.commit(a)
+    idx.touch(0, [b"a"])
+    b = idx.reserve(0, b"b", b"a")
+    assert isinstance(b, Entry) and idx.commit(b)
+    c = idx.reserve(0, b"c", None)
+    assert isinstance(c, Entry), c
+    assert idx.is_ready(0, b"a") and not idx.is_ready(0, b"b")
+    idx.check_invariants()
+
+
+KEYS = st.integers(0, 5)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), KEYS, st.one_of(st.none(), KEYS)),
+        st.tuples(st.just("touch"), KEYS, st.none()),
+        st.tuples(st.just("remove"), KEYS, st.none()),
+        st.tuples(st.just("victim"), st.frozensets(KEYS), st.none()),
+    ),
+    max_size=60,
+)
+Op = tuple[str, object, object]
+
+
+def replay(name: str, capacity: int, ops: list[Op]) -> tuple[EvictionPolicy, set[int]]:
+    """Apply ``ops`` to a fresh policy, checking every victim against the keys that may go:
+    one of them iff one is listed, and exactly that one forgotten. Returns the policy and the
+    keys it must still list."""
+    p = make_policy(name, capacity)
+    listed: set[int] = set()
+    for op, arg, parent in ops:
+        if op == "insert":
+            if arg in listed or len(listed) >= capacity:
+                continue
+            p.insert(arg, parent if parent in listed else None)
+            listed.add(arg)  # type: ignore[arg-type]
+        elif op == "touch":
+            p.touch(arg)
+        elif op == "remove":
+            p.remove(arg)
+            listed.discard(arg)  # type: ignore[arg-type]
+        else:
+            may_go: frozenset[int] = arg  # type: ignore[assignment]
+            v = p.victim(lambda k, may_go=may_go: k in may_go)  # type: ignore[misc]
+            if listed & may_go:
+                assert v in listed & may_go, (v, listed, may_go)
+                listed.discard(v)  # type: ignore[arg-type]
+            else:
+                assert v is None, v
+        assert len(p) == len(listed) and all(k in p for k in listed)
+    return p, listed
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 8), ops=OPS)
+@example(capacity=10, ops=[("insert", 0, None), ("touch", 0, None), ("insert", 1, 0)])
+def test_a_victim_is_offered_whenever_some_key_may_go(
+    name: str, capacity: int, ops: list[Op]
+) -> None:
+    """Random insert / touch / remove / victim sequences, each victim call with a random set of
+    keys that may go; then, from the final state, each listed key alone may go and must be the
+    one offered. Refused keys stay listed."""
+    _, listed = replay(name, capacity, ops)
+    for only in listed:
+        p, _ = replay(name, capacity, ops)
+        assert p.victim(lambda k, only=only: k == only) == only, (only, listed)  # type: ignore[misc]
+        assert len(p) == len(listed) - 1

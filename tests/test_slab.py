@@ -9,6 +9,7 @@ import uuid
 import pytest
 import torch
 
+from kvtier.config import ConfigError
 from kvtier.slab import HostSlab, SlabError, SlotAllocator, pin_ranges, plan_slab
 
 MiB = 2**20
@@ -98,8 +99,17 @@ def test_shared_slab_is_one_memory_for_every_rank() -> None:
 
 def test_a_slab_larger_than_the_host_is_refused_with_numbers() -> None:
     plan = plan_slab(2**50, [MiB])
-    with pytest.raises(SlabError, match="larger than this host's memory"):
+    with pytest.raises(ConfigError, match=r"1PiB|1024TiB|more than this process can take"):
         HostSlab(plan)
+
+
+def test_a_model_with_only_recurrent_state_uses_all_of_dram_size() -> None:
+    (state,) = plan_slab(64 * MiB, [], state_slot_bytes=MiB).classes
+    assert state.num_slots == 64  # not a quarter: there is no KV to leave room for
+    (state,) = plan_slab(64 * MiB, [], state_slot_bytes=MiB, state_bytes=8 * MiB).classes
+    assert state.num_slots == 64
+    _, state = plan_slab(64 * MiB, [MiB], state_slot_bytes=MiB).classes
+    assert state.num_slots == 16  # beside KV: a quarter by default
 
 
 def test_pinning_without_cuda_is_an_error_not_a_silent_no_op() -> None:

@@ -2,14 +2,20 @@
 dict and from ``KVTIER_*`` environment variables.
 
 Contract:
-- Byte sizes carry explicit units: ``"64GiB"``, ``"512MiB"``, ``"1.5GB"``. A bare number is
-  an error (is it bytes? GiB?), as is an ambiguous suffix such as ``"64G"``.
+- Byte sizes carry explicit units: ``"64GiB"``, ``"512MiB"``, ``"1.5GB"``. A string without a
+  unit (``"64"``, from a flag or a variable) is an error (is it bytes? GiB?), as is an
+  ambiguous suffix such as ``"64G"``. A JSON integer is a number of bytes: vLLM's argument
+  expander turns ``{"dram_size": 1G}`` into ``1073741824``, and ``model_dump()`` writes sizes
+  as integers, which validate back to the same configuration.
+- Counts and numbers are not booleans: ``true`` for ``max_pins`` is an error, not 1.
 - Unknown keys are errors, in the dict and in the environment (a ``KVTIER_`` variable that
   names no field), and the message names the closest field. The only ``KVTIER_`` variables
   that are not settings are those in :data:`NON_SETTING_ENV` (switches of the test scripts).
 - The dict wins over the environment: the engine's own configuration is the more specific one.
   A key given twice in the dict (``dram_size`` and ``kvtier.dram_size``) is an error.
 - Every error names where the bad value came from (the dict key or the environment variable).
+  A variable whose prefix is a misspelling of ``KVTIER_`` (``KVTEIR_DRAM_SIZE``) and whose rest
+  names a setting is ignored with a warning.
 - Impossible combinations are rejected at start-up with what to write instead, including a
   chunk size that is not a multiple of every KV-cache group's block size
   (:meth:`KvtierConfig.resolve_chunk_tokens`).
@@ -18,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -32,6 +39,10 @@ DICT_PREFIX = "kvtier."
 # KVTIER_ variables that are not settings: switches of scripts/test.sh.
 NON_SETTING_ENV = frozenset({"KVTIER_SOAK"})
 DEFAULT_MIN_CHUNK_TOKENS = 256
+DEFAULT_DRAM_SIZE = 4 * 2**30
+DEFAULT_STAGING_SIZE = 256 * 2**20
+
+logger = logging.getLogger("kvtier")
 
 _UNITS = {
     "B": 1,
@@ -53,11 +64,16 @@ class ConfigError(ValueError):
 
 
 def parse_bytes(value: object) -> int:
-    """Parse a size with an explicit unit ("64GiB", "1.5 GB", "512MiB") into bytes.
+    """Parse a size with an explicit unit ("64GiB", "1.5 GB", "512MiB") into bytes; an integer
+    (JSON's, after vLLM expanded "1G") is bytes already.
 
-    Bare numbers and unit-less strings are rejected: the unit is part of the value.
+    Unit-less strings, floats and booleans are rejected: in text the unit is part of the value.
     """
-    if isinstance(value, bool) or not isinstance(value, str):
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"a byte size cannot be negative, got {value}")
+        return value
+    if not isinstance(value, str):
         raise ValueError(
             f"a byte size needs an explicit unit, got {value!r}: write e.g. '64GiB' or '512MiB'"
         )
@@ -105,8 +121,17 @@ def format_bytes(n: int) -> str:
     return f"{n}B"
 
 
+def _not_a_boolean(value: object) -> object:
+    """JSON ``true`` is not the count 1 (pydantic's lax mode would take it as such)."""
+    if isinstance(value, bool):
+        raise ValueError(f"a number is needed here, got the boolean {value!r}")
+    return value
+
+
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
 PositiveByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+Count = Annotated[int, BeforeValidator(_not_a_boolean)]
+Number = Annotated[float, BeforeValidator(_not_a_boolean)]
 
 PolicyName = Literal["lru", "slru", "s3fifo"]
 AdmissionName = Literal["always", "second_sight"]
@@ -118,27 +143,27 @@ class KvtierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dram_size: PositiveByteSize = Field(
-        default=4 * 2**30,
+        default=DEFAULT_DRAM_SIZE,
         description="Host DRAM for stored KV, per engine, all ranks together (e.g. '64GiB').",
     )
-    chunk_tokens: int | None = Field(
+    chunk_tokens: Count | None = Field(
         default=None,
         ge=1,
         description="Tokens per stored chunk; a multiple of every KV-cache group's block size. "
         "Default: the smallest multiple of their LCM that is at least 256.",
     )
     policy: PolicyName = Field(default="slru", description="Eviction policy: lru, slru, s3fifo.")
-    slru_protected_fraction: float = Field(
+    slru_protected_fraction: Number = Field(
         default=0.8, gt=0.0, lt=1.0, description="SLRU: share of slots in the protected segment."
     )
-    s3fifo_small_fraction: float = Field(
+    s3fifo_small_fraction: Number = Field(
         default=0.1, gt=0.0, lt=1.0, description="S3-FIFO: share of slots in the small queue."
     )
     admission: AdmissionName = Field(
         default="always",
         description="'second_sight' saves a chunk only once its prefix was seen twice.",
     )
-    admission_memory: int = Field(
+    admission_memory: Count = Field(
         default=1 << 20, ge=1, description="Keys remembered by second-sight admission."
     )
     save_generated_tokens: bool = Field(
@@ -148,20 +173,22 @@ class KvtierConfig(BaseModel):
     state_size: PositiveByteSize | None = Field(
         default=None,
         description="DRAM reserved for recurrent-state objects, out of dram_size. Default: a "
-        "quarter of dram_size when the model has recurrent state, else none.",
+        "quarter of dram_size when the model has recurrent state, else none; a model with "
+        "only recurrent state uses all of dram_size.",
     )
-    max_pending_saves: int = Field(
+    max_pending_saves: Count = Field(
         default=256, ge=1, description="Chunks queued or in flight for saving; beyond, saves drop."
     )
-    max_pending_loads: int = Field(
+    max_pending_loads: Count = Field(
         default=1024, ge=1, description="Chunks in flight for loading; beyond, hits are declined."
     )
-    max_pins: int = Field(
+    max_pins: Count = Field(
         default=1 << 16, ge=1, description="Chunks pinned by decided loads at once."
     )
     gpu_staging_size: PositiveByteSize = Field(
-        default=256 * 2**20,
-        description="Device staging memory for transfers (at most; never more than dram_size).",
+        default=DEFAULT_STAGING_SIZE,
+        description="Device staging memory for transfers, at most dram_size. Default: 256MiB, "
+        "or dram_size if that is smaller.",
     )
     transfer_path: Literal["auto", "dma", "kernel"] = Field(
         default="auto",
@@ -171,13 +198,13 @@ class KvtierConfig(BaseModel):
     pin_step_size: PositiveByteSize = Field(
         default=2**30, description="Host memory is pinned with CUDA in steps of this size."
     )
-    link_gbps: float = Field(
+    link_gbps: Number = Field(
         default=20.0, gt=0, description="Host-link GB/s assumed until transfers measure it."
     )
-    prefill_seconds_per_token: float = Field(
+    prefill_seconds_per_token: Number = Field(
         default=50e-6, gt=0, description="Prefill cost assumed until steps measure it."
     )
-    step_seconds: float = Field(
+    step_seconds: Number = Field(
         default=0.02, ge=0, description="Engine step latency assumed until measured (parking cost)."
     )
     cost_model: bool = Field(
@@ -195,18 +222,34 @@ class KvtierConfig(BaseModel):
     )
     # Test-only fault switches. Documented as such: they exist so that tests can prove the
     # checks can fail; they are never set in production.
-    fault_skip_load_chunk: int = Field(
+    fault_skip_load_chunk: Count = Field(
         default=-1, ge=-1, description="TEST ONLY: skip the copy of this chunk index in loads."
     )
-    fault_fail_loads: int = Field(
+    fault_fail_loads: Count = Field(
         default=0, ge=0, description="TEST ONLY: report this many loads as failed (then none)."
     )
-    fault_hold_steps: int = Field(
+    fault_hold_steps: Count = Field(
         default=0, ge=0, description="TEST ONLY: hold every transfer in flight this many steps."
     )
-    fault_raise_in_transfer: int = Field(
+    fault_raise_in_transfer: Count = Field(
         default=0, ge=0, description="TEST ONLY: raise inside this many worker transfers."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_staging(cls, data: Any) -> Any:
+        """An unset gpu_staging_size is 256MiB or dram_size, whichever is smaller, so that
+        the one rule (staging <= dram_size) holds for defaults and settings alike, and a
+        ``model_dump()`` validates back."""
+        if not isinstance(data, Mapping) or data.get("gpu_staging_size") is not None:
+            return data
+        try:
+            dram = parse_bytes(data.get("dram_size", DEFAULT_DRAM_SIZE))
+        except ValueError:
+            return data  # dram_size's own error says what is wrong
+        if dram <= 0:
+            return data
+        return {**data, "gpu_staging_size": min(DEFAULT_STAGING_SIZE, dram)}
 
     @model_validator(mode="after")
     def _check_combinations(self) -> KvtierConfig:
@@ -215,7 +258,7 @@ class KvtierConfig(BaseModel):
                 f"state_size ({format_bytes(self.state_size)}) must be smaller than dram_size "
                 f"({format_bytes(self.dram_size)}): raise dram_size or lower state_size"
             )
-        if "gpu_staging_size" in self.model_fields_set and self.gpu_staging_size > self.dram_size:
+        if self.gpu_staging_size > self.dram_size:
             raise ValueError(
                 f"gpu_staging_size ({format_bytes(self.gpu_staging_size)}) is larger than "
                 f"dram_size ({format_bytes(self.dram_size)}): write gpu_staging_size of at "
@@ -244,6 +287,7 @@ class KvtierConfig(BaseModel):
         source: dict[str, str] = {}
         for var, raw in environ.items():
             if not var.startswith(ENV_PREFIX) or var in NON_SETTING_ENV:
+                _warn_if_misspelt_prefix(var, names)
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in names:
@@ -294,6 +338,18 @@ class KvtierConfig(BaseModel):
                 f"write chunk_tokens={choices}, or leave it unset"
             )
         return self.chunk_tokens
+
+
+def _warn_if_misspelt_prefix(var: str, names: Sequence[str]) -> None:
+    """``KVTEIR_DRAM_SIZE``: the rest names a setting and the prefix is close to KVTIER, so
+    someone meant a setting that kvtier will not see."""
+    prefix, sep, rest = var.partition("_")
+    want = ENV_PREFIX.rstrip("_")
+    if not sep or prefix.upper() == want or rest.lower() not in names:
+        return
+    if difflib.SequenceMatcher(None, prefix.upper(), want).ratio() >= 0.75:
+        logger.warning("environment variable %s is ignored: its prefix is not %s; did you "
+                       "mean %s?", var, ENV_PREFIX, ENV_PREFIX + rest.upper())
 
 
 def _unknown(key: str, name: str, choices: list[str], what: str, prefix: str = "") -> str:

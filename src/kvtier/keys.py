@@ -11,8 +11,10 @@ The TP/PP rank is not part of a key: it is a sub-address of where a rank's shard
 
 Keys are stable across processes and restarts: no ``hash()``, no per-process seed.
 Extra keys (vLLM's per-block extra keys: multimodal hashes, LoRA, prompt embeddings) must be
-made of None, bool, int, float, str, bytes and tuples/lists of those; anything else makes the
-request *unsaveable*: it is neither saved nor loaded, and the caller counts it.
+made of None, bool, int, float, str, bytes and tuples/lists of those, with ints in
+[-2**63, 2**64) and strings (the salt too) encodable as UTF-8; token ids must lie in
+[0, 2**32). Anything else makes the request *unsaveable*: it is neither saved nor loaded, and
+the caller counts it. Keying never raises for what a request carries.
 """
 
 from __future__ import annotations
@@ -104,9 +106,14 @@ def encode_extra(extra: object, salt: str | None = None) -> bytes | None:
     empty = extra is None or (isinstance(extra, (tuple, list)) and len(extra) == 0)
     if empty and not salt:
         return b""
-    if not _plain_ok(extra):
+    try:
+        if not _plain_ok(extra):
+            return None
+        return msgpack.packb([salt or None, None if empty else extra], use_bin_type=True)
+    except (OverflowError, UnicodeEncodeError, ValueError, RecursionError):
+        # an int outside msgpack's 64-bit range, a str with a lone surrogate (not UTF-8),
+        # absurd nesting: not encodable, so not keyable
         return None
-    return msgpack.packb([salt or None, None if empty else extra], use_bin_type=True)
 
 
 def chunk_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -162,5 +169,8 @@ class RequestKeys:
                 self.unsaveable = True
                 break
             parent = self.keys[-1] if self.keys else self.namespace
-            self.keys.append(chunk_key(parent, tokens[start:end], extra))
+            try:
+                self.keys.append(chunk_key(parent, tokens[start:end], extra))
+            except (OverflowError, TypeError):  # a token id that is not a uint32
+                self.unsaveable = True
         return len(self.keys)

@@ -10,10 +10,12 @@ never read from dim 0, which may hold tokens or kernel blocks):
 
 - The *block axis* is the dimension whose size is ``num_blocks * f`` for a whole ``f`` (``f > 1``
   for token-major MLA caches ``(nb*bs, 1, 576)`` and for vLLM's kernel-block splitting, where
-  dim 0 is ``num_blocks`` times the kernel blocks per block). The outermost such dimension
-  (largest stride) wins; when the shape alone cannot tell (two dimensions of exactly
-  ``num_blocks``, or an exact one beside an outer multiple) it is an error and the caller passes
-  ``block_axes``.
+  dim 0 is ``num_blocks`` times the kernel blocks per block). The engine adapter says which
+  dimension it is (``block_axes``, from what the engine declares). Without it, the shape is
+  trusted only when exactly one dimension is a whole multiple of ``num_blocks``; anything else
+  (``num_blocks == 1``, where every dimension is; a K/V axis of 2 beside ``2 * f`` kernel blocks
+  when ``num_blocks == 2``; two dimensions of exactly ``num_blocks``) is a coincidence of sizes,
+  and a :class:`LayoutError` asks for ``block_axes`` instead of guessing.
 - Dimensions with a larger stride than the block axis are *outer*: each index combination is
   its own segment (K and V regions of a ``(2, nb, ...)`` tensor, a ``(nb, 2, ...)`` view whose
   dim 1 jumps the whole K region, or the heads of a head-outer layout). They must not overlap
@@ -173,21 +175,18 @@ def _byte_storage(t: torch.Tensor) -> torch.Tensor:
 def _pick_block_axis(
     dims: list[tuple[int, int, int]], num_blocks: int, fail: Callable[[str], LayoutError]
 ) -> tuple[int, int, int]:
-    """The block axis among ``(index, size, byte stride)`` dims (see the module docstring)."""
-    candidates = [d for d in dims if d[1] % num_blocks == 0 and d[1] >= num_blocks
-                  and (d[1] > 1 or num_blocks == 1)]
+    """The block axis among ``(index, size, byte stride)`` dims when the caller did not say:
+    the one dimension whose size is a whole multiple of ``num_blocks``, or an error."""
+    candidates = [d for d in dims if d[1] % num_blocks == 0 and d[1] >= num_blocks]
     if not candidates:
         raise fail("no dimension is a whole multiple of num_blocks")
-    best = max(candidates, key=lambda d: (d[2], -d[0]))
-    exact = [d for d in candidates if d[1] == num_blocks]
-    ambiguous = (len(exact) > 1) or (best[1] != num_blocks and bool(exact))
-    if ambiguous:
+    if len(candidates) > 1:
         names = ", ".join(f"dim {d[0]} (size {d[1]})" for d in candidates)
         raise fail(
-            f"the block axis is ambiguous: {names} could each hold the blocks; pass "
-            "block_axes={layer: dim} to say which"
+            f"the block axis is ambiguous: {names} could each hold the blocks, and sizes "
+            "alone never decide it; pass block_axes={layer: dim} from what the engine declares"
         )
-    return best
+    return candidates[0]
 
 
 def segment_tensor(
@@ -229,7 +228,11 @@ def segment_tensor(
         raise fail("a dimension has stride 0 or less (broadcast or flipped bytes)")
     if a_size > 1 and any(d[2] == a_stride for d in others):
         raise fail("another dimension shares the block axis stride")
-    outer = sorted((d for d in others if d[2] > a_stride), key=lambda d: -d[2])  # memory order
+    # A block axis of size 1 (one block, no kernel blocks) has a stride that locates nothing:
+    # a dimension with the same stride cannot lie inside the block (it would overlap the next
+    # block if there were one), so it is outer, as it is with more blocks (head-outer layouts).
+    outer = sorted((d for d in others if d[2] > a_stride or (a_size == 1 and d[2] == a_stride)),
+                   key=lambda d: -d[2])  # memory order
     inner = [d for d in others if d[2] < a_stride]
     block_stride = a_stride * ratio
     if ratio > 1:
@@ -464,7 +467,11 @@ def fingerprint(
     fixed_scales: Mapping[str, float],
     extra: Mapping[str, object],
 ) -> str:
-    """Hash of everything that defines the stored byte format (no addresses, no block count)."""
+    """Hash of everything that defines the stored byte format (no addresses, no block count).
+
+    Segments enter as they were before adjacent runs were merged: which runs happen to touch
+    depends on the block count (with one block, the layers of a layer-outer buffer do), and
+    merging never changes the bytes of a chunk."""
     desc = {
         "codec": CODEC_VERSION,
         "kv_cache_dtype": kv_cache_dtype,
@@ -475,13 +482,24 @@ def fingerprint(
                 "kind": g.spec.kind.value,
                 "block_size": g.spec.block_size,
                 "window": g.spec.sliding_window,
-                "segments": [list(_plain(s.describe)) for s in g.segments],
+                "segments": [list(_plain(d)) for s in g.segments for d in _unmerged(s.describe)],
             }
             for g in groups
         ],
     }
     blob = msgpack.packb(_plain(desc), use_bin_type=True)
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def _unmerged(describe: tuple) -> list[tuple]:
+    """The describes a merged segment was made of (joined by "+" in ``_order_and_merge``)."""
+    parts: list[tuple] = [()]
+    for item in describe:
+        if item == "+":
+            parts.append(())
+        else:
+            parts[-1] = (*parts[-1], item)
+    return parts
 
 
 def _plain(x: object) -> object:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import format_bytes
+from kvtier.config import ConfigError, format_bytes
+from kvtier.hostmem import check_dram_size
 
 ALIGN = 4096
 
@@ -76,15 +77,19 @@ def plan_slab(
 ) -> SlabPlan:
     """Split ``total_bytes`` (all shards) into size classes.
 
-    KV classes come first (one per group, same slot count), the state class last.
+    KV classes come first (one per group, same slot count), the state class last, with
+    ``state_bytes`` of the total (default a quarter). A model with only recurrent state (no
+    KV classes) gives all of ``total_bytes`` to state.
     """
     if num_shards < 1:
         raise SlabError("num_shards must be at least 1")
     per_shard = total_bytes // num_shards
     state_share = 0
-    if state_slot_bytes:
-        state_share = (state_bytes if state_bytes is not None else total_bytes // 4) // num_shards
     strides = [_align_up(b) for b in kv_slot_bytes]
+    if state_slot_bytes and not strides:
+        state_share = per_shard  # only recurrent state: nothing else to leave room for
+    elif state_slot_bytes:
+        state_share = (state_bytes if state_bytes is not None else total_bytes // 4) // num_shards
     kv_slots = (per_shard - state_share) // sum(strides) if strides else 0
     if strides and kv_slots < 1:
         raise SlabError(
@@ -144,23 +149,6 @@ class SlotAllocator:
         self._free[cls].append(slot)
 
 
-def host_memory_bytes() -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes, from /proc/meminfo; (0, 0) where unknown."""
-    total = avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, value = line.split(":", 1)
-                kib = int(value.split()[0]) * 1024
-                if name == "MemTotal":
-                    total = kib
-                elif name == "MemAvailable":
-                    avail = kib
-    except OSError:
-        pass
-    return total, avail
-
-
 class HostSlab:
     """The slab's memory in one process: every shard mapped, this rank's shard writable.
 
@@ -181,13 +169,8 @@ class HostSlab:
         self._mmap: mmap.mmap | None = None
         self._registered: list[int] = []
         total = plan.total_bytes
-        mem_total, _ = host_memory_bytes()
-        if mem_total and total > mem_total:
-            raise SlabError(
-                f"dram_size {format_bytes(total)} is larger than this host's memory "
-                f"({format_bytes(mem_total)}); lower dram_size"
-            )
         if shm_name is None:
+            check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
             self.buffer = torch.empty(total, dtype=torch.uint8)
         else:
             self.buffer = self._map_shared(shm_name, total)
@@ -207,6 +190,12 @@ class HostSlab:
                     f"/dev/shm has {format_bytes(st.f_bavail * st.f_frsize)} free, the slab needs "
                     f"{format_bytes(size)}: enlarge /dev/shm (docker --shm-size) or lower dram_size"
                 )
+            try:  # the creator takes the memory for every rank: it checks the host's headroom
+                check_dram_size(size)
+            except ConfigError:
+                os.close(fd)
+                os.unlink(path)
+                raise
             os.ftruncate(fd, size)
         except FileExistsError:
             fd = os.open(path, os.O_RDWR)

@@ -99,12 +99,13 @@ class MemoryIndex(Index):
 
     # -- pins and hits --------------------------------------------------------------------
     def pin(self, group: int, keys: Sequence[bytes]) -> list[Entry]:
+        # check every key before taking any pin: a refusal leaves every pin as it was, and
+        # never releases a pin that another load holds on the same chunks
         entries = self._entries[group]
         pinned = []
         for k in keys:
             e = entries.get(k)
             if e is None or not e.ready:
-                self.unpin(pinned)
                 raise KeyError(f"chunk {k.hex()[:8]} of group {group} is not ready; decide first")
             pinned.append(e)
         for e in pinned:

@@ -1,8 +1,11 @@
 """S3-FIFO (Yang et al., SOSP'23): a small FIFO filters one-hit wonders, a main FIFO keeps the
 rest with a 2-bit use counter, and a ghost FIFO of recently evicted keys readmits them to main.
 
-Keys the index refuses to evict (pinned, writing, parents) are reinserted at the newest end of
-their queue with their counter unchanged, so a refusal is never looked at twice in one scan.
+Keys the index refuses to evict (pinned, writing, parents) are set aside for the rest of the
+search and put back at the newest end of their queue, counter unchanged, when it ends: a
+refusal is never looked at twice in one search. When the queue S3-FIFO would take from holds
+only refused keys the search continues in the other one, so a victim is offered whenever any
+listed key may go (within ``scan_limit`` refusals).
 """
 
 from __future__ import annotations
@@ -41,22 +44,35 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main.discard(key)
 
     def victim(self, evictable: Evictable) -> Hashable | None:
-        for _ in range(min(self.scan_limit, 2 * len(self._freq) + MAX_FREQ * len(self._main) + 2)):
-            from_small = len(self._small) > self.small_capacity or not self._main
-            queue = self._small if from_small else self._main
-            key = queue.front()
-            if key is None:
-                return None
-            queue.remove(key)
-            freq = self._freq[key]
-            if from_small and freq > 0:
-                self._freq[key] = 0
+        refused_small: list[Hashable] = []
+        refused_main: list[Hashable] = []
+        try:
+            return self._search(evictable, refused_small, refused_main)
+        finally:
+            for key in refused_small:
+                self._small.push_back(key)
+            for key in refused_main:
                 self._main.push_back(key)
-            elif not from_small and freq > 0:
-                self._freq[key] = freq - 1
+
+    def _search(self, evictable: Evictable, refused_small: list[Hashable],
+                refused_main: list[Hashable]) -> Hashable | None:
+        """One S3-FIFO eviction over the keys not yet refused; refused keys are moved out of
+        their queue into ``refused_*`` (the caller puts them back). Every step either ages a
+        key (at most ``MAX_FREQ + 1`` times per key) or sets one aside, so it terminates."""
+        while self._small or self._main:
+            if len(refused_small) + len(refused_main) >= self.scan_limit:
+                return None
+            small_over = len(self._small) + len(refused_small) > self.small_capacity
+            from_small = not self._main or (small_over and bool(self._small))
+            queue = self._small if from_small else self._main
+            key = queue.pop_front()
+            freq = self._freq[key]
+            if freq > 0:
+                # small: seen again while on probation -> main; main: one more lap
+                self._freq[key] = 0 if from_small else freq - 1
                 self._main.push_back(key)
             elif not evictable(key):
-                queue.push_back(key)
+                (refused_small if from_small else refused_main).append(key)
             else:
                 del self._freq[key]
                 if from_small:

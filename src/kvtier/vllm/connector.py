@@ -35,6 +35,7 @@ from kvtier.layout import build_layout
 from kvtier.ops import StepPlan
 from kvtier.planner import make_slab_plan
 from kvtier.scheduler import OffloadScheduler
+from kvtier.vllm.block_axes import registered_block_axes
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.stats import KvtierStats, counter_deltas
@@ -378,10 +379,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         layers = dict(getattr(self._vllm_config.compilation_config,
                               "static_forward_context", {}) or {})
-        # vLLM 0.32 registers [B, H, N, C] views: the block axis is dim 0 by construction
-        # (inference could be ambiguous with few blocks). 0.25.1 registers each backend's
-        # own shape, where kvtier infers it.
-        block_axes = {name: 0 for name in kv_caches} if VIEWS_ARE_BLOCK_MAJOR else None
+        # the block axis of each tensor as vLLM declares it (never guessed from sizes)
+        block_axes = registered_block_axes(kv_caches, self._kv_cache_config, layers,
+                                           self.kv_cache_dtype)
         layout = build_layout(
             kv_caches, self.groups.specs, int(self._kv_cache_config.num_blocks),
             kv_cache_dtype=self.kv_cache_dtype, layers=layers, block_axes=block_axes,
