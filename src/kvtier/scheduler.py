@@ -1,14 +1,15 @@
 """The scheduler half, engine-agnostic: requests, decisions, jobs and their completions.
 
 It owns all metadata (index, policy, slot numbering, jobs); workers only move bytes. The
-engine adapter calls, per step and in this order:
+engine adapter calls:
 
 1. ``lookup`` for waiting requests (side-effect free apart from key hashing; may be repeated),
    then ``start_load`` once the engine allocated blocks for a promised hit;
-2. ``on_blocks`` for every scheduled request's new blocks (this also collects the step's
-   allocations, which ``build_step`` fences against in-flight saves);
-3. ``plan_saves`` for every scheduled request, then ``build_step`` -> :class:`StepPlan`;
-4. ``on_report`` with the workers' summed :class:`WorkerReport` of each finished step.
+2. once per step, ``schedule_step`` with everything the engine scheduled (one
+   :class:`StepInput`) -> the step's :class:`StepPlan`; the scheduler applies it in its own
+   order: preemptions, then block tables (which also collects the step's allocations, fenced
+   against in-flight saves), then saves, then the plan;
+3. ``on_report`` with the workers' summed :class:`WorkerReport` of each finished step.
 
 Contracts (DESIGN.md §2):
 - A load is decided in ``lookup`` and pinned in ``start_load``; the pins end only when every
@@ -18,6 +19,8 @@ Contracts (DESIGN.md §2):
   failure on any rank aborts it.
 - Every save job is registered by its source blocks until it completes; a step that allocates
   one of those blocks, or preempts its request, fences the job.
+- A request preempted since the last step may be resumed in the same step: its preemption is
+  applied before its resumed block table, never after.
 - Bounds: pending save chunks, pending load chunks and pins; beyond them a save is dropped and
   a hit declined, with a reason, never a wait.
 """
@@ -50,6 +53,45 @@ from kvtier.slab import SlabPlan, SlotAllocator
 
 NULL_BLOCK = 0
 """vLLM's placeholder block id (skipped sliding-window positions)."""
+
+
+@dataclass
+class NewRequest:
+    """A request scheduled with its whole block table (first time, or resumed with a new one)."""
+
+    req_id: str
+    block_ids: Sequence[Sequence[int]]  # per kvtier group
+
+
+@dataclass
+class CachedRequest:
+    """A request scheduled again; ``resumed``: back from preemption, ``new_block_ids`` is then
+    its whole table, otherwise blocks appended to it (None: no new blocks)."""
+
+    req_id: str
+    new_block_ids: Sequence[Sequence[int]] | None
+    resumed: bool = False
+
+
+@dataclass
+class ScheduledTokens:
+    """A request computing tokens this step: what its saves are planned from."""
+
+    req_id: str
+    tokens: Sequence[int]  # every token known so far
+    computed_after: int  # tokens whose KV is in the cache once this step ran
+    num_prompt: int
+
+
+@dataclass
+class StepInput:
+    """Everything the engine scheduled in one step, in no particular order."""
+
+    preempted: Sequence[str] = ()
+    new: Sequence[NewRequest] = ()
+    cached: Sequence[CachedRequest] = ()
+    copy_targets: Sequence[Sequence[int]] = ()  # per group: blocks no table shows
+    scheduled: Sequence[ScheduledTokens] = ()
 
 
 @dataclass
@@ -380,6 +422,26 @@ class OffloadScheduler:
         return None
 
     # -- the step ---------------------------------------------------------------------------
+    def schedule_step(self, step: StepInput) -> StepPlan:
+        """Apply one engine step and return its plan for the workers.
+
+        The order is the contract: preemptions first (a request preempted since the last step
+        and resumed in this one keeps its resumed table), then block tables and copy targets
+        (the step's allocations, fenced against in-flight saves), then saves, then the plan.
+        """
+        for req_id in step.preempted:
+            self.on_preempted(req_id)
+        for new in step.new:
+            self.on_blocks(new.req_id, new.block_ids, replace=True)
+        for cached in step.cached:
+            if cached.new_block_ids is not None:
+                self.on_blocks(cached.req_id, cached.new_block_ids, replace=cached.resumed)
+        if step.copy_targets:
+            self.note_allocated(step.copy_targets)
+        for s in step.scheduled:
+            self.plan_saves(s.req_id, s.tokens, s.computed_after, s.num_prompt)
+        return self.build_step()
+
     def build_step(self) -> StepPlan:
         fence: set[int] = set()
         for reading, allocated in zip(self._block_jobs, self._step_allocated):
