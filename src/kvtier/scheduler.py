@@ -422,6 +422,9 @@ class OffloadScheduler:
         return None
 
     # -- the step ---------------------------------------------------------------------------
+    # The engine adapter calls schedule_step only. Its parts (on_preempted, on_blocks,
+    # note_allocated, plan_saves, build_step) stay callable for the planner bench, which
+    # times each of them.
     def schedule_step(self, step: StepInput) -> StepPlan:
         """Apply one engine step and return its plan for the workers.
 

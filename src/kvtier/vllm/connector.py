@@ -34,7 +34,13 @@ from kvtier.keys import UNSUPPORTED, Namespace
 from kvtier.layout import build_layout
 from kvtier.ops import StepPlan
 from kvtier.planner import make_slab_plan
-from kvtier.scheduler import OffloadScheduler
+from kvtier.scheduler import (
+    CachedRequest,
+    NewRequest,
+    OffloadScheduler,
+    ScheduledTokens,
+    StepInput,
+)
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.stats import KvtierStats, counter_deltas
@@ -215,31 +221,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # kvtier deferred it; kvtier stops deferring after MAX_GEOMETRY_DEFERRALS)
             self._blind.update(scheduler_output.num_scheduled_tokens)
             return KvtierMetadata(StepPlan(), geometry_known=False)
-        groups = self.groups
-        # Preemptions first: a request preempted since the last step (reset_prefix_cache with
-        # reset_running_requests preempts between steps) may be resumed in this very step,
-        # and its resumed block table must not be wiped after it was set.
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            sched.on_preempted(req_id)
         for nr in scheduler_output.scheduled_new_reqs:
             if nr.req_id in self._requests:
                 self._ensure_request(self._requests[nr.req_id])
-            sched.on_blocks(nr.req_id, groups.to_kvtier(nr.block_ids), replace=True)
-            self._blind.discard(nr.req_id)  # a full table
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        resumed_flags = getattr(cached, "resumed_from_preemption", None)
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
-            if new_ids is not None:
-                sched.on_blocks(req_id, groups.to_kvtier(new_ids), replace=is_resumed)
-                if is_resumed:
-                    self._blind.discard(req_id)
-        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
-            dst = getattr(copy, "dst_block_id", None)
-            if dst is not None:
-                sched.note_allocated([[dst]] * len(groups.engine_ids))
+        step = self._step_input(scheduler_output, self.groups)
+        self._blind.difference_update(nr.req_id for nr in step.new)  # a full table
+        self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
+        scheduled = []
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         prefill = 0
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
@@ -249,9 +237,37 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             computed_after = req.num_computed_tokens + n_sched - len(spec.get(req_id, ()))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 prefill += n_sched
-            sched.plan_saves(req_id, req.all_token_ids, computed_after, req.num_prompt_tokens)
+            scheduled.append(ScheduledTokens(req_id, req.all_token_ids, computed_after,
+                                             req.num_prompt_tokens))
+        step.scheduled = scheduled
         self._prefill_tokens = prefill
-        return KvtierMetadata(sched.build_step(), geometry_known=True)
+        return KvtierMetadata(sched.schedule_step(step), geometry_known=True)
+
+    @staticmethod
+    def _step_input(scheduler_output: Any, groups: EngineGroups) -> StepInput:
+        """vLLM's scheduler output as kvtier's step input (block tables in kvtier's groups).
+        A request preempted since the last step (reset_prefix_cache with
+        reset_running_requests preempts between steps) may be resumed in this very step:
+        the scheduler orders that, not this translation."""
+        new = [NewRequest(nr.req_id, groups.to_kvtier(nr.block_ids))
+               for nr in scheduler_output.scheduled_new_reqs]
+        cached_out = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached_out, "resumed_req_ids", None) or set()
+        resumed_flags = getattr(cached_out, "resumed_from_preemption", None)
+        cached = []
+        for i, req_id in enumerate(cached_out.req_ids):
+            new_ids = cached_out.new_block_ids[i]
+            is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
+            cached.append(CachedRequest(
+                req_id, None if new_ids is None else groups.to_kvtier(new_ids),
+                resumed=is_resumed and new_ids is not None))
+        copies = [dst for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+                  if (dst := getattr(copy, "dst_block_id", None)) is not None]
+        return StepInput(
+            preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+            new=new, cached=cached,
+            copy_targets=[copies] * len(groups.engine_ids) if copies else [],
+        )
 
     def update_connector_output(self, connector_output: Any, **kwargs: Any) -> None:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
