@@ -14,8 +14,8 @@ import pytest
 
 from kvtier.config import KvtierConfig
 from kvtier.layout import GroupKind
-from kvtier.ops import Job, StepPlan, WorkerReport
-from kvtier.planner import Geometry, GroupGeometry, make_slab_plan
+from kvtier.planner import Geometry, GroupGeometry, make_slab_layout
+from kvtier.protocol import Job, StepPlan, WorkerReport
 from kvtier.scheduler import (
     CachedRequest,
     NewRequest,
@@ -37,7 +37,7 @@ NAMESPACE = b"n" * 16
 def make_scheduler(world_size: int = 1, **settings: object) -> OffloadScheduler:
     # cost_model off: every stored hit is taken, whatever the (default) link estimates say
     config = KvtierConfig(dram_size="4MiB", cost_model=False, **settings)  # type: ignore[arg-type]
-    layout = make_slab_plan(config, GEOMETRY, world_size)
+    layout = make_slab_layout(config, GEOMETRY, world_size)
     return OffloadScheduler(config, GEOMETRY, NAMESPACE, layout, world_size=world_size)
 
 

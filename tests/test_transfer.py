@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
-from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.transfer import Completion, ThreadedTransferEngine
 from kvtier.worker import OffloadWorker
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
-from kvtier.ops import Job, StepPlan, TransferOp
+from kvtier.protocol import Job, StepPlan, TransferOp
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 from kvtier.worker import REQUERY_STEPS, OffloadWorker, StepResult
 

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 from kvtier import codec
 from kvtier.layout import GroupKind, Layout
-from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job, JobKind, TransferOp
 from kvtier.slab import HostSlab
 
 
 @dataclass
 class Completion:
     job_id: int
-    kind: str  # "save" | "load"
+    kind: JobKind
     ok: bool
     nbytes: int
     seconds: float
@@ -126,8 +126,8 @@ class ThreadedTransferEngine(TransferEngine):
         self.fault = fault
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-transfer")
         self._lock = threading.Lock()
-        self._running: dict[int, tuple[str, Future]] = {}
-        self._held: list[tuple[int, str, Job]] = []  # (release tick, kind, job)
+        self._running: dict[int, tuple[JobKind, Future]] = {}
+        self._held: list[tuple[int, JobKind, Job]] = []  # (release tick, kind, job)
         self._tick = 0
         self._done: list[Completion] = []
 
@@ -140,28 +140,28 @@ class ThreadedTransferEngine(TransferEngine):
             self._start(kind, job)
 
     def save(self, job: Job) -> None:
-        self._submit("save", job)
+        self._submit(JobKind.SAVE, job)
 
     def load(self, job: Job) -> None:
-        self._submit("load", job)
+        self._submit(JobKind.LOAD, job)
 
-    def _submit(self, kind: str, job: Job) -> None:
+    def _submit(self, kind: JobKind, job: Job) -> None:
         if self.hold_steps:
             self._held.append((self._tick + self.hold_steps, kind, job))
         else:
             self._start(kind, job)
 
-    def _start(self, kind: str, job: Job) -> None:
+    def _start(self, kind: JobKind, job: Job) -> None:
         self._running[job.job_id] = (kind, self._pool.submit(self._run, kind, job))
 
-    def _run(self, kind: str, job: Job) -> Completion:
+    def _run(self, kind: JobKind, job: Job) -> Completion:
         t0 = time.perf_counter()
         nbytes = 0
         try:
             for op in job.ops:
                 if self.fault is not None:
                     self.fault(kind, job, op)
-                nbytes += self.mover.save_op(op) if kind == "save" else self.mover.load_op(op)
+                nbytes += self.mover.save_op(op) if kind is JobKind.SAVE else self.mover.load_op(op)
         except Exception as e:  # a failed copy is a failed job, reported like any other
             return Completion(job.job_id, kind, False, nbytes, time.perf_counter() - t0,
                               f"{type(e).__name__}: {e}")
@@ -175,7 +175,7 @@ class ThreadedTransferEngine(TransferEngine):
                 self._held.remove(h)
                 self._start(h[1], h[2])
             entry = self._running.get(job_id)
-            if entry is not None and entry[0] == "save":
+            if entry is not None and entry[0] is JobKind.SAVE:
                 if not entry[1].done():
                     waited += 1
                 entry[1].result()  # CPU: the next forward runs on this host thread

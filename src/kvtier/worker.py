@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
 from kvtier.layout import GroupKind, Layout
-from kvtier.ops import Job, StepPlan, TransferOp, WorkerReport
-from kvtier.planner import Geometry, GroupGeometry, make_slab_plan, slot_classes
+from kvtier.planner import Geometry, GroupGeometry, make_slab_layout, slot_classes
+from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import HostSlab
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
@@ -93,8 +93,8 @@ class OffloadWorker:
         self.replicated = replicated
         self.geometry = planner_geometry(worker_geometry(layout), chunk_tokens)
         num_shards = 1 if replicated else world_size
-        self.plan = make_slab_plan(config, self.geometry, num_shards)
-        self.slab = HostSlab(self.plan, shm_name=shm_name if world_size > 1 else None,
+        self.slab_layout = make_slab_layout(config, self.geometry, num_shards)
+        self.slab = HostSlab(self.slab_layout, shm_name=shm_name if world_size > 1 else None,
                              pin=pin, pin_step=config.pin_step_size)
         shard = 0 if replicated else rank
         self.writes = not replicated or rank == 0
@@ -120,7 +120,7 @@ class OffloadWorker:
         self.failures = 0  # failed transfer jobs, ever
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
-        self.plan_step = 0
+        self.step = 0  # of the last plan begun
 
     # -- fault injection (test only; every switch defaults off) -----------------------------
     def _fault(self, kind: str, job: Job, op: TransferOp) -> None:
@@ -149,7 +149,7 @@ class OffloadWorker:
 
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward (after :meth:`fence`): start this step's loads."""
-        self.plan_step = plan.step
+        self.step = plan.step
         self.engine.tick()
         for job in plan.loads:
             self._load_reqs[job.job_id] = (
@@ -198,7 +198,7 @@ class OffloadWorker:
             if self.failures <= 20 or self.failures % 100 == 0:  # loud, but bounded
                 logger.warning("kvtier rank %d: %s job %d failed (%d so far): %s", self.rank,
                                c.kind, c.job_id, self.failures, c.error or "no reason given")
-        if c.kind == "save":
+        if c.kind == JobKind.SAVE:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes
             rep.save_seconds += c.seconds

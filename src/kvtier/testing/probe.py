@@ -120,7 +120,7 @@ def rpc_worker_facts(worker: Any) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = get_kv_transfer_group()._worker
-    return {"rank": w.rank, "shards": w.plan.num_shards, "writes": w.writes,
+    return {"rank": w.rank, "shards": w.slab_layout.num_shards, "writes": w.writes,
             "replicated": w.replicated, "bytes_saved": w.total_bytes_saved,
             "bytes_loaded": w.total_bytes_loaded}
 

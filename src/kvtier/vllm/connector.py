@@ -11,7 +11,7 @@
 Start-up handshake: the scheduler half sizes nothing until every worker has reported its
 layout (bytes per block, fingerprint) through the worker metadata of an engine step. Until
 then lookups are deferred (``None``) and ``has_pending_push_work`` keeps the engine stepping,
-so the first request waits one step, and both halves derive the same slab plan.
+so the first request waits one step, and both halves derive the same slab layout.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.keys import UNSUPPORTED, Namespace
 from kvtier.layout import build_layout
-from kvtier.ops import StepPlan
-from kvtier.planner import make_slab_plan
+from kvtier.planner import make_slab_layout
+from kvtier.protocol import StepPlan
 from kvtier.scheduler import (
     CachedRequest,
     NewRequest,
@@ -291,7 +291,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         chunk = self.config.resolve_chunk_tokens(first.block_sizes)
         geometry = planner_geometry(first, chunk)
         num_shards = 1 if self.replicated else self.world_size
-        plan = make_slab_plan(self.config, geometry, num_shards)
+        slab_layout = make_slab_layout(self.config, geometry, num_shards)
         ns = Namespace(
             model=self.model_name, layout_fingerprint=first.fingerprint,
             kv_cache_dtype=self.kv_cache_dtype, chunk_tokens=chunk,
@@ -299,13 +299,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size=int(self._vllm_config.parallel_config.tensor_parallel_size),
             extra=self.config.namespace_extra,
         ).digest()
-        self._sched = OffloadScheduler(self.config, geometry, ns, plan,
+        self._sched = OffloadScheduler(self.config, geometry, ns, slab_layout,
                                        world_size=self.world_size,
                                        loads_enabled=self.loads_enabled)
         for req in list(self._requests.values()):
             self._ensure_request(req)
-        logger.info("kvtier: %d chunk slots per group of %d tokens, %s", plan.classes[0].num_slots,
-                    chunk, [c.name for c in plan.classes])
+        logger.info("kvtier: %d chunk slots per group of %d tokens, %s",
+                    slab_layout.classes[0].num_slots, chunk,
+                    [c.name for c in slab_layout.classes])
 
     def request_finished(self, request: Any, block_ids: Any, **kwargs: Any
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -423,20 +424,20 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("kvtier worker %d: %d groups, %s bytes per block, fingerprint %s", rank,
                     len(layout.groups), self._geometry.bytes_per_block, layout.fingerprint)
 
-    def _plan(self, meta: Any) -> tuple[StepPlan | None, bool]:
+    def _step_plan(self, meta: Any) -> tuple[StepPlan | None, bool]:
         if isinstance(meta, KvtierMetadata):
             return meta.plan, meta.geometry_known
         return None, False
 
     def handle_preemptions(self, kv_connector_metadata: Any = None, **kwargs: Any) -> None:
-        plan, _ = self._plan(kv_connector_metadata)
+        plan, _ = self._step_plan(kv_connector_metadata)
         if self._worker is not None and plan is not None:
             self._worker.fence(plan)
             self._fenced_step = plan.step
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        plan, known = self._plan(connector_metadata)
+        plan, known = self._step_plan(connector_metadata)
         if known:
             self._geometry_acked = True
         if self._worker is None or plan is None or plan.step == self._begun_step:
@@ -460,7 +461,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self._worker is None:
             return
-        plan, _ = self._plan(self._connector_metadata)
+        plan, _ = self._step_plan(self._connector_metadata)
         if plan is not None and plan.saves:
             self._worker.end_step(plan)  # queued, not waited for
 
