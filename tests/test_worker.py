@@ -54,7 +54,8 @@ class UnreliableNotices(TransferEngine):
 
 def make_worker(kv: SmallKV, engine: Callable[[ChunkMover], TransferEngine] | None = None,
                 **kw: object) -> OffloadWorker:
-    return OffloadWorker(CONFIG, kv.layout, CHUNK_TOKENS, engine_factory=engine, **kw)  # type: ignore[arg-type]
+    return OffloadWorker(CONFIG, kv.layout, CHUNK_TOKENS, engine_factory=engine,
+                         **kw)  # type: ignore[arg-type]
 
 
 def step(worker: OffloadWorker, plan: StepPlan) -> StepResult:

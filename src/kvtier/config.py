@@ -193,20 +193,6 @@ class KvtierConfig(BaseModel):
     namespace_extra: str = Field(
         default="", description="Free text mixed into the key namespace (e.g. a deployment id)."
     )
-    # Test-only fault switches. Documented as such: they exist so that tests can prove the
-    # checks can fail; they are never set in production.
-    fault_skip_load_chunk: int = Field(
-        default=-1, ge=-1, description="TEST ONLY: skip the copy of this chunk index in loads."
-    )
-    fault_fail_loads: int = Field(
-        default=0, ge=0, description="TEST ONLY: report this many loads as failed (then none)."
-    )
-    fault_hold_steps: int = Field(
-        default=0, ge=0, description="TEST ONLY: hold every transfer in flight this many steps."
-    )
-    fault_raise_in_transfer: int = Field(
-        default=0, ge=0, description="TEST ONLY: raise inside this many worker transfers."
-    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> KvtierConfig:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kvtier.config import KvtierConfig
 from kvtier.layout import GroupKind, Layout
 from kvtier.planner import Geometry, GroupGeometry, make_slab_layout, slot_classes
-from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
+from kvtier.protocol import Job, JobKind, StepPlan, WorkerReport
 from kvtier.slab import HostSlab
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
@@ -74,6 +74,9 @@ class StepResult:
 
 
 class OffloadWorker:
+    """One rank's worker half. ``engine_factory`` makes the engine that moves the bytes
+    from this worker's :class:`~kvtier.transfer.ChunkMover` (default: the CPU engine)."""
+
     def __init__(
         self,
         config: KvtierConfig,
@@ -105,12 +108,9 @@ class OffloadWorker:
         )
         self.engine: TransferEngine = (
             engine_factory(self.mover) if engine_factory is not None
-            else ThreadedTransferEngine(self.mover, hold_steps=config.fault_hold_steps,
-                                        fault=self._fault))
+            else ThreadedTransferEngine(self.mover))
         self._load_reqs: dict[int, tuple[str, list[int]]] = {}
         self._reported_nowrite: list[Job] = []
-        self._fail_loads_left = config.fault_fail_loads
-        self._raise_left = config.fault_raise_in_transfer
         self._fences_waited = 0
         self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
         self._collects = 0
@@ -121,23 +121,6 @@ class OffloadWorker:
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
-
-    # -- fault injection (test only; every switch defaults off) -----------------------------
-    def _fault(self, kind: str, job: Job, op: TransferOp) -> None:
-        if self._raise_left > 0:
-            self._raise_left -= 1
-            raise RuntimeError("kvtier test fault: exception inside a transfer")
-
-    def _load_ops(self, job: Job) -> Job:
-        skip = self.config.fault_skip_load_chunk
-        if skip < 0:
-            return job
-        kv_ops = [op for op in job.ops if self.layout.groups[op.group].spec.kind
-                  is not GroupKind.STATE]
-        if skip >= len(kv_ops):
-            return job
-        dropped = kv_ops[skip]
-        return Job(job.job_id, job.req_id, [op for op in job.ops if op is not dropped], job.chunk)
 
     # -- the step ---------------------------------------------------------------------------
     def fence(self, plan: StepPlan) -> None:
@@ -155,7 +138,7 @@ class OffloadWorker:
             self._load_reqs[job.job_id] = (
                 job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
             self._inflight[job.job_id] = self._collects
-            self.engine.load(self._load_ops(job))
+            self.engine.load(job)
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""
@@ -206,9 +189,6 @@ class OffloadWorker:
             return
         req_id, blocks = self._load_reqs.pop(c.job_id)
         ok = c.ok
-        if ok and self._fail_loads_left > 0:
-            self._fail_loads_left -= 1
-            ok = False
         rep.loads[c.job_id] = [1, 0] if ok else [0, 1]
         rep.bytes_loaded += c.nbytes
         rep.load_seconds += c.seconds

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from kvtier.scheduler import (
     ScheduledTokens,
     StepInput,
 )
+from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.stats import KvtierStats, counter_deltas
@@ -408,21 +410,28 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         rank = _rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
-        engine_factory = None
-        if device_is_cuda:
-            from kvtier.gpu.engine import CudaTransferEngine
-
-            def engine_factory(mover: Any) -> Any:
-                return CudaTransferEngine(mover, self.config, mode=self.config.transfer_path)
         shm = f"kvtier-{self._vllm_config.kv_transfer_config.engine_id}" if (
             self.world_size > 1) else None
         self._worker = OffloadWorker(
             self.config, layout, chunk, rank=rank, world_size=self.world_size,
             replicated=self.replicated, shm_name=shm, pin=device_is_cuda,
-            engine_factory=engine_factory,
+            engine_factory=self._engine_factory(device_is_cuda),
         )
         logger.info("kvtier worker %d: %d groups, %s bytes per block, fingerprint %s", rank,
                     len(layout.groups), self._geometry.bytes_per_block, layout.fingerprint)
+
+    def _engine_factory(self, device_is_cuda: bool
+                        ) -> Callable[[ChunkMover], TransferEngine] | None:
+        """The transfer engine of this worker: the CUDA engine for a KV cache on a GPU, else
+        None (the worker's CPU engine). Test connectors wrap it (kvtier.testing.faults)."""
+        if not device_is_cuda:
+            return None
+        from kvtier.gpu.engine import CudaTransferEngine
+
+        def make(mover: ChunkMover) -> TransferEngine:
+            return CudaTransferEngine(mover, self.config, mode=self.config.transfer_path)
+
+        return make
 
     def _step_plan(self, meta: Any) -> tuple[StepPlan | None, bool]:
         if isinstance(meta, KvtierMetadata):
