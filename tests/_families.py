@@ -33,9 +33,9 @@ import torch
 from _kvcheck import byte_view, expected_block, storage_bytes
 from kvtier import codec
 from kvtier.layout import GroupKind, GroupSpec, Layout, build_layout
-from kvtier.ops import SKIP, Job, TransferOp
 from kvtier.planner import slot_classes
-from kvtier.slab import HostSlab, plan_slab
+from kvtier.protocol import SKIP, Job, TransferOp
+from kvtier.slab import HostSlab, lay_out_slab
 from kvtier.transfer import ChunkMover, Completion
 from kvtier.worker import planner_geometry, worker_geometry
 
@@ -365,9 +365,10 @@ def make_mover(layout: Layout, chunk_tokens: int, bpc: list[int], slots: int, pi
     kv = [geom.chunk_bytes(g) for g in geom.kv_groups]
     state = [geom.chunk_bytes(g) for g in geom.state_groups]
     stride = sum(-(-b // 4096) * 4096 for b in kv + state)
-    plan = plan_slab(stride * slots * 2, kv, state_slot_bytes=max(state) if state else None,
-                     state_bytes=(stride * slots) if state else None)
-    slab = HostSlab(plan, pin=pin)
+    slab_layout = lay_out_slab(stride * slots * 2, kv,
+                               state_slot_bytes=max(state) if state else None,
+                               state_bytes=(stride * slots) if state else None)
+    slab = HostSlab(slab_layout, pin=pin)
     return ChunkMover(layout, slab, 0, slot_classes(geom), bpc)
 
 

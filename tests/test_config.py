@@ -59,6 +59,18 @@ def test_load_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> No
         KvtierConfig.load({})
 
 
+def test_no_setting_injects_faults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection is test machinery (kvtier.testing.faults), never a user setting."""
+    assert not [n for n in KvtierConfig.field_names() if "fault" in n]
+    monkeypatch.setenv("KVTIER_FAULT_SKIP_LOAD_CHUNK", "0")
+    with pytest.raises(ConfigError, match="unknown kvtier environment variable "
+                                          "'KVTIER_FAULT_SKIP_LOAD_CHUNK'"):
+        KvtierConfig.load({})
+    monkeypatch.delenv("KVTIER_FAULT_SKIP_LOAD_CHUNK")
+    with pytest.raises(ConfigError, match="unknown kvtier setting 'fault_fail_loads'"):
+        KvtierConfig.load({"fault_fail_loads": 1})
+
+
 def test_the_configuration_is_frozen() -> None:
     c = load()
     with pytest.raises(Exception, match="frozen"):
@@ -152,8 +164,7 @@ def test_json_integers_are_bytes() -> None:
 
 
 COUNTS_AND_NUMBERS = ["chunk_tokens", "admission_memory", "max_pending_saves",
-                      "max_pending_loads", "max_pins", "fault_skip_load_chunk",
-                      "fault_fail_loads", "fault_hold_steps", "fault_raise_in_transfer",
+                      "max_pending_loads", "max_pins",
                       "slru_protected_fraction", "s3fifo_small_fraction", "link_gbps",
                       "prefill_seconds_per_token", "step_seconds"]
 

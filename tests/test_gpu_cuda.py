@@ -23,7 +23,7 @@ from _families import (  # noqa: E402
 from kvtier import codec  # noqa: E402
 from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.gpu.engine import CudaTransferEngine  # noqa: E402
-from kvtier.ops import Job, TransferOp  # noqa: E402
+from kvtier.protocol import Job, TransferOp  # noqa: E402
 
 RECIPES = stored_recipes()
 NAMES = [r["name"] for r in RECIPES]

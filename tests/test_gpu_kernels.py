@@ -47,7 +47,7 @@ from kvtier.gpu.dma import (
 )
 from kvtier.gpu.engine import CudaTransferEngine, HostRuntime
 from kvtier.layout import GroupKind, GroupLayout
-from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.transfer import ChunkMover
 
 if not isinstance(kernels._move_kernel, kernels.triton.runtime.interpreter.InterpretedFunction):

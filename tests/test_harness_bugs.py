@@ -51,7 +51,9 @@ def test_planted_bugs_are_caught_on_vllm025() -> None:
     """The same six bugs against vLLM 0.25.1's scheduler (failures reported per block there)."""
     if not (VLLM025 / "vllm" / "__init__.py").exists():
         pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    env = dict(os.environ, PYTHONPATH=f"{VLLM025}{os.pathsep}{ROOT / 'tests'}",
+    # this checkout's kvtier first, not the one the venv's editable install points at
+    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src", ROOT / "tests")))
+    env = dict(os.environ, PYTHONPATH=path,
                VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run([sys.executable, "-m", "harness.run", "--planted", "--json", "-"],
                           cwd=ROOT / "tests", env=env, capture_output=True, text=True,

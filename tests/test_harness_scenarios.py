@@ -39,7 +39,9 @@ SOAK_SEED = int(os.environ.get("HARNESS_SOAK_SEED", "100000"))
 def _start_025(n: int, seed: int) -> subprocess.Popen[str] | None:
     if not (VLLM025 / "vllm" / "__init__.py").exists():
         return None
-    env = dict(os.environ, PYTHONPATH=f"{VLLM025}{os.pathsep}{ROOT / 'tests'}",
+    # this checkout's kvtier first, not the one the venv's editable install points at
+    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src", ROOT / "tests")))
+    env = dict(os.environ, PYTHONPATH=path,
                VLLM_LOGGING_LEVEL="ERROR")
     return subprocess.Popen(
         [sys.executable, "-m", "harness.run", "--scenarios", str(n), "--seed", str(seed),

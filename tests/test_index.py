@@ -18,9 +18,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.index.base import DeclineSave, Entry
+from kvtier.index.base import Entry
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.policy import POLICIES, make_policy
+from kvtier.protocol import SaveDrop
 from kvtier.slab import SlotAllocator
 
 
@@ -54,13 +55,13 @@ def test_writing_chunks_are_invisible_until_committed() -> None:
     e = idx.reserve(0, key((1,)), None)
     assert isinstance(e, Entry)
     assert idx.match(0, [key((1,))]) == 0
-    assert idx.reserve(0, key((1,)), None) is DeclineSave.STORED
+    assert idx.reserve(0, key((1,)), None) is SaveDrop.STORED
     assert idx.commit(e) and idx.match(0, [key((1,))]) == 1
 
 
 def test_a_child_needs_its_parent_stored() -> None:
     idx = make_index()
-    assert idx.reserve(0, key((1, 2)), key((1,))) is DeclineSave.NO_PARENT
+    assert idx.reserve(0, key((1, 2)), key((1,))) is SaveDrop.NO_PARENT
 
 
 def test_eviction_takes_leaves_only_and_never_pinned_or_writing() -> None:
@@ -70,7 +71,7 @@ def test_eviction_takes_leaves_only_and_never_pinned_or_writing() -> None:
     other = idx.reserve(0, key((9,)), None)
     assert isinstance(other, Entry)  # the free slot
     # full now: the only ready chunks are pinned, the other is writing -> nothing may go
-    assert idx.reserve(0, key((8,)), None) is DeclineSave.FULL
+    assert idx.reserve(0, key((8,)), None) is SaveDrop.FULL
     idx.unpin(chain)
     e = idx.reserve(0, key((8,)), None)
     assert isinstance(e, Entry)
@@ -146,7 +147,7 @@ def test_a_refused_pin_leaves_another_loads_pins_alone() -> None:
     assert [e.pins for e in first] == [1, 1] and idx.stats().pinned == 2
     idx.abort(writing)  # frees its slot; the store is full of the first load's pinned chunks
     assert isinstance(idx.reserve(0, key((7,)), None), Entry)
-    assert idx.reserve(0, key((8,)), None) is DeclineSave.FULL  # a/b is pinned, a a parent
+    assert idx.reserve(0, key((8,)), None) is SaveDrop.FULL  # a/b is pinned, a a parent
     idx.unpin(first)
     assert idx.stats().pinned == 0
     idx.check_invariants()

@@ -22,7 +22,7 @@ import kvtier.keys as keys_mod
 from kvtier.config import KvtierConfig
 from kvtier.keys import UNSUPPORTED, Namespace, RequestKeys, chunk_key, encode_extra
 from kvtier.layout import GroupKind
-from kvtier.planner import Decline, Geometry, GroupGeometry, make_slab_plan
+from kvtier.planner import Decline, Geometry, GroupGeometry, make_slab_layout
 from kvtier.scheduler import OffloadScheduler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def test_the_scheduler_declines_and_counts_requests_it_cannot_key() -> None:
     lone surrogate decline the load and skip the saves, counted once each; nothing raises."""
     geo = Geometry(C, (GroupGeometry(GroupKind.FULL, C, 4096),))
     cfg = KvtierConfig(dram_size="1MiB", chunk_tokens=C)
-    sched = OffloadScheduler(cfg, geo, ns().digest(), make_slab_plan(cfg, geo, 1))
+    sched = OffloadScheduler(cfg, geo, ns().digest(), make_slab_layout(cfg, geo, 1))
     sched.add_request("big-int", extra_keys=lambda s, e: ("lora", 2**64))
     sched.add_request("surrogate", cache_salt="tenant-\ud800")
     for req in ("big-int", "surrogate"):

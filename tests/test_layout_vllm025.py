@@ -293,7 +293,9 @@ print(json.dumps(out))
 """
     classes = {b["backend"]: (b["module"], b["class"]) for b in TABLE["backends"]}
     arg = json.dumps([[*classes[r["backend"]], r["params"]] for r in picks])
-    env = dict(os.environ, PYTHONPATH=str(VLLM025))
+    # this checkout's kvtier first, not the one the venv's editable install points at
+    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src")))
+    env = dict(os.environ, PYTHONPATH=path)
     res = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

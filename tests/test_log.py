@@ -34,7 +34,9 @@ get_logger().warning("warn-probe")
 
 
 def _run(code: str, **env: str) -> str:
-    e = {**os.environ, "PYTHONPATH": SRC, **env}
+    # a level another test module set in this process (tests/harness sets ERROR) must not leak
+    inherited = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    e = {**inherited, "PYTHONPATH": SRC, **env}
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                          text=True, env=e, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

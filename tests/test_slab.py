@@ -10,29 +10,29 @@ import pytest
 import torch
 
 from kvtier.config import ConfigError
-from kvtier.slab import HostSlab, SlabError, SlotAllocator, pin_ranges, plan_slab
+from kvtier.slab import HostSlab, SlabError, SlotAllocator, lay_out_slab, pin_ranges
 
 MiB = 2**20
 
 
 def test_every_kv_group_gets_the_same_slot_count_and_state_its_share() -> None:
-    plan = plan_slab(1024 * MiB, [1 * MiB, 3 * MiB], num_shards=2, state_slot_bytes=5 * MiB,
+    layout = lay_out_slab(1024 * MiB, [1 * MiB, 3 * MiB], num_shards=2, state_slot_bytes=5 * MiB,
                      state_bytes=256 * MiB)
-    g0, g1, state = plan.classes
+    g0, g1, state = layout.classes
     assert g0.num_slots == g1.num_slots > 0
     assert state.num_slots == (128 * MiB) // (5 * MiB)
-    assert plan.total_bytes <= 1024 * MiB
+    assert layout.total_bytes <= 1024 * MiB
     # classes do not overlap inside a shard, shards do not overlap
     assert g0.offset + g0.bytes <= g1.offset and g1.offset + g1.bytes <= state.offset
-    assert plan.offset(0, 0, shard=1) == plan.shard_bytes
+    assert layout.offset(0, 0, shard=1) == layout.shard_bytes
 
 
 def test_slots_are_aligned_and_never_overlap() -> None:
-    plan = plan_slab(64 * MiB, [1000, 5000, 123457])
+    layout = lay_out_slab(64 * MiB, [1000, 5000, 123457])
     seen = []
-    for ci, c in enumerate(plan.classes):
+    for ci, c in enumerate(layout.classes):
         for s in range(c.num_slots):
-            off = plan.offset(ci, s)
+            off = layout.offset(ci, s)
             assert off % 4096 == 0
             seen.append((off, off + c.slot_bytes))
     seen.sort()
@@ -41,9 +41,9 @@ def test_slots_are_aligned_and_never_overlap() -> None:
 
 def test_too_small_a_slab_is_a_clear_error() -> None:
     with pytest.raises(SlabError, match="holds no chunk"):
-        plan_slab(1 * MiB, [2 * MiB])
+        lay_out_slab(1 * MiB, [2 * MiB])
     with pytest.raises(SlabError, match="raise state_size"):
-        plan_slab(64 * MiB, [MiB], state_slot_bytes=40 * MiB, state_bytes=8 * MiB)
+        lay_out_slab(64 * MiB, [MiB], state_slot_bytes=40 * MiB, state_bytes=8 * MiB)
 
 
 def test_allocator_is_lifo_o1_and_catches_double_free() -> None:
@@ -59,21 +59,21 @@ def test_allocator_is_lifo_o1_and_catches_double_free() -> None:
 
 
 def test_pin_ranges_cover_everything_in_bounded_steps_without_splitting_slots() -> None:
-    plan = plan_slab(200 * MiB, [3 * MiB, 5 * MiB], num_shards=2)
+    layout = lay_out_slab(200 * MiB, [3 * MiB, 5 * MiB], num_shards=2)
     step = 16 * MiB
-    ranges = pin_ranges(plan, step)
-    assert sum(n for _, n in ranges) == sum(c.bytes for c in plan.classes) * 2
+    ranges = pin_ranges(layout, step)
+    assert sum(n for _, n in ranges) == sum(c.bytes for c in layout.classes) * 2
     for off, n in ranges:
         assert n <= step
-        shard_off = off % plan.shard_bytes
-        c = next(c for c in plan.classes if c.offset <= shard_off < c.offset + c.bytes)
+        shard_off = off % layout.shard_bytes
+        c = next(c for c in layout.classes if c.offset <= shard_off < c.offset + c.bytes)
         assert (shard_off - c.offset) % c.stride == 0 and n % c.stride == 0
 
 
 def test_private_slab_views_are_disjoint_and_writable() -> None:
-    plan = plan_slab(8 * MiB, [100_000, 200_000])
-    slab = HostSlab(plan)
-    a, b = slab.view(0, 0), slab.view(1, plan.classes[1].num_slots - 1)
+    layout = lay_out_slab(8 * MiB, [100_000, 200_000])
+    slab = HostSlab(layout)
+    a, b = slab.view(0, 0), slab.view(1, layout.classes[1].num_slots - 1)
     a.fill_(1)
     b.fill_(2)
     assert int(slab.view(0, 0).sum()) == 100_000 and int(b.sum()) == 400_000
@@ -83,10 +83,10 @@ def test_private_slab_views_are_disjoint_and_writable() -> None:
 def test_shared_slab_is_one_memory_for_every_rank() -> None:
     if not os.path.isdir("/dev/shm"):
         pytest.fail("this test needs /dev/shm")
-    plan = plan_slab(4 * MiB, [64 * 1024], num_shards=2)
+    layout = lay_out_slab(4 * MiB, [64 * 1024], num_shards=2)
     name = f"kvtier-test-{uuid.uuid4().hex}"
-    rank0 = HostSlab(plan, shm_name=name)
-    rank1 = HostSlab(plan, shm_name=name)
+    rank0 = HostSlab(layout, shm_name=name)
+    rank1 = HostSlab(layout, shm_name=name)
     try:
         rank0.view(0, 3, shard=1).copy_(torch.arange(64 * 1024, dtype=torch.int64).to(torch.uint8))
         assert torch.equal(rank1.view(0, 3, shard=1), rank0.view(0, 3, shard=1))
@@ -98,17 +98,17 @@ def test_shared_slab_is_one_memory_for_every_rank() -> None:
 
 
 def test_a_slab_larger_than_the_host_is_refused_with_numbers() -> None:
-    plan = plan_slab(2**50, [MiB])
+    layout = lay_out_slab(2**50, [MiB])
     with pytest.raises(ConfigError, match=r"1PiB|1024TiB|more than this process can take"):
-        HostSlab(plan)
+        HostSlab(layout)
 
 
 def test_a_model_with_only_recurrent_state_uses_all_of_dram_size() -> None:
-    (state,) = plan_slab(64 * MiB, [], state_slot_bytes=MiB).classes
+    (state,) = lay_out_slab(64 * MiB, [], state_slot_bytes=MiB).classes
     assert state.num_slots == 64  # not a quarter: there is no KV to leave room for
-    (state,) = plan_slab(64 * MiB, [], state_slot_bytes=MiB, state_bytes=8 * MiB).classes
+    (state,) = lay_out_slab(64 * MiB, [], state_slot_bytes=MiB, state_bytes=8 * MiB).classes
     assert state.num_slots == 64
-    _, state = plan_slab(64 * MiB, [MiB], state_slot_bytes=MiB).classes
+    _, state = lay_out_slab(64 * MiB, [MiB], state_slot_bytes=MiB).classes
     assert state.num_slots == 16  # beside KV: a quarter by default
 
 
@@ -116,4 +116,4 @@ def test_pinning_without_cuda_is_an_error_not_a_silent_no_op() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: pinning is exercised by the GPU tests")
     with pytest.raises(SlabError, match="CUDA is not available"):
-        HostSlab(plan_slab(4 * MiB, [MiB]), pin=True)
+        HostSlab(lay_out_slab(4 * MiB, [MiB]), pin=True)

@@ -24,7 +24,6 @@ Contract:
 from __future__ import annotations
 
 import difflib
-import logging
 import math
 import os
 import re
@@ -34,6 +33,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from kvtier.log import get_logger
+
 ENV_PREFIX = "KVTIER_"
 DICT_PREFIX = "kvtier."
 # KVTIER_ variables that are not settings: switches of scripts/test.sh.
@@ -42,7 +43,7 @@ DEFAULT_MIN_CHUNK_TOKENS = 256
 DEFAULT_DRAM_SIZE = 4 * 2**30
 DEFAULT_STAGING_SIZE = 256 * 2**20
 
-logger = logging.getLogger("kvtier")
+logger = get_logger("config")
 
 _UNITS = {
     "B": 1,
@@ -219,20 +220,6 @@ class KvtierConfig(BaseModel):
     )
     namespace_extra: str = Field(
         default="", description="Free text mixed into the key namespace (e.g. a deployment id)."
-    )
-    # Test-only fault switches. Documented as such: they exist so that tests can prove the
-    # checks can fail; they are never set in production.
-    fault_skip_load_chunk: Count = Field(
-        default=-1, ge=-1, description="TEST ONLY: skip the copy of this chunk index in loads."
-    )
-    fault_fail_loads: Count = Field(
-        default=0, ge=0, description="TEST ONLY: report this many loads as failed (then none)."
-    )
-    fault_hold_steps: Count = Field(
-        default=0, ge=0, description="TEST ONLY: hold every transfer in flight this many steps."
-    )
-    fault_raise_in_transfer: Count = Field(
-        default=0, ge=0, description="TEST ONLY: raise inside this many worker transfers."
     )
 
     @model_validator(mode="before")

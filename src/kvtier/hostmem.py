@@ -14,13 +14,13 @@ not settings.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 from kvtier.config import ConfigError, format_bytes
+from kvtier.log import get_logger
 
-logger = logging.getLogger("kvtier")
+logger = get_logger("hostmem")
 
 MEMINFO = "/proc/meminfo"
 CGROUP_ROOT = "/sys/fs/cgroup"

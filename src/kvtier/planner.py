@@ -22,7 +22,7 @@ from enum import Enum
 from kvtier.config import KvtierConfig
 from kvtier.index.base import Index
 from kvtier.layout import GroupKind
-from kvtier.slab import SlabPlan, plan_slab
+from kvtier.slab import SlabLayout, lay_out_slab
 
 
 class Decline(str, Enum):
@@ -242,11 +242,11 @@ def chunks_to_save(
     return range(first_unsaved, max(first_unsaved, last))
 
 
-def make_slab_plan(config: KvtierConfig, geometry: Geometry, num_shards: int) -> SlabPlan:
-    """The slab geometry both halves derive, identically, from config and layout."""
+def make_slab_layout(config: KvtierConfig, geometry: Geometry, num_shards: int) -> SlabLayout:
+    """The slab layout both halves derive, identically, from config and KV layout."""
     kv = [geometry.chunk_bytes(g) for g in geometry.kv_groups]
     state = [geometry.chunk_bytes(g) for g in geometry.state_groups]
-    return plan_slab(
+    return lay_out_slab(
         config.dram_size, kv, num_shards=num_shards,
         state_slot_bytes=max(state) if state else None, state_bytes=config.state_size,
     )

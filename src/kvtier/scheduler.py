@@ -1,14 +1,15 @@
 """The scheduler half, engine-agnostic: requests, decisions, jobs and their completions.
 
 It owns all metadata (index, policy, slot numbering, jobs); workers only move bytes. The
-engine adapter calls, per step and in this order:
+engine adapter calls:
 
 1. ``lookup`` for waiting requests (side-effect free apart from key hashing; may be repeated),
    then ``start_load`` once the engine allocated blocks for a promised hit;
-2. ``on_blocks`` for every scheduled request's new blocks (this also collects the step's
-   allocations, which ``build_step`` fences against in-flight saves);
-3. ``plan_saves`` for every scheduled request, then ``build_step`` -> :class:`StepPlan`;
-4. ``on_report`` with the workers' summed :class:`WorkerReport` of each finished step.
+2. once per step, ``schedule_step`` with everything the engine scheduled (one
+   :class:`StepInput`) -> the step's :class:`StepPlan`; the scheduler applies it in its own
+   order: preemptions, then block tables (which also collects the step's allocations, fenced
+   against in-flight saves), then saves, then the plan;
+3. ``on_report`` with the workers' summed :class:`WorkerReport` of each finished step.
 
 Contracts (DESIGN.md §2):
 - A load is decided in ``lookup`` and pinned in ``start_load``; the pins end only when every
@@ -18,6 +19,8 @@ Contracts (DESIGN.md §2):
   failure on any rank aborts it.
 - Every save job is registered by its source blocks until it completes; a step that allocates
   one of those blocks, or preempts its request, fences the job.
+- A request preempted since the last step may be resumed in the same step: its preemption is
+  applied before its resumed block table, never after.
 - Bounds: pending save chunks, pending load chunks and pins; beyond them a save is dropped and
   a hit declined, with a reason, never a wait.
 """
@@ -30,11 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
-from kvtier.index.base import DeclineSave, Entry
+from kvtier.index.base import Entry
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.keys import ExtraKeysFn, RequestKeys
 from kvtier.layout import GroupKind
-from kvtier.ops import SKIP, Job, StepPlan, TransferOp, WorkerReport
 from kvtier.planner import (
     CostEstimates,
     Decline,
@@ -46,10 +48,50 @@ from kvtier.planner import (
     slot_classes,
 )
 from kvtier.policy import make_admission, make_policy
-from kvtier.slab import SlabPlan, SlotAllocator
+from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
+from kvtier.slab import SlabLayout, SlotAllocator
 
 NULL_BLOCK = 0
 """vLLM's placeholder block id (skipped sliding-window positions)."""
+
+
+@dataclass
+class NewRequest:
+    """A request scheduled with its whole block table (first time, or resumed with a new one)."""
+
+    req_id: str
+    block_ids: Sequence[Sequence[int]]  # per kvtier group
+
+
+@dataclass
+class CachedRequest:
+    """A request scheduled again; ``resumed``: back from preemption, ``new_block_ids`` is then
+    its whole table, otherwise blocks appended to it (None: no new blocks)."""
+
+    req_id: str
+    new_block_ids: Sequence[Sequence[int]] | None
+    resumed: bool = False
+
+
+@dataclass
+class ScheduledTokens:
+    """A request computing tokens this step: what its saves are planned from."""
+
+    req_id: str
+    tokens: Sequence[int]  # every token known so far
+    computed_after: int  # tokens whose KV is in the cache once this step ran
+    num_prompt: int
+
+
+@dataclass
+class StepInput:
+    """Everything the engine scheduled in one step, in no particular order."""
+
+    preempted: Sequence[str] = ()
+    new: Sequence[NewRequest] = ()
+    cached: Sequence[CachedRequest] = ()
+    copy_targets: Sequence[Sequence[int]] = ()  # per group: blocks no table shows
+    scheduled: Sequence[ScheduledTokens] = ()
 
 
 @dataclass
@@ -69,7 +111,7 @@ class RequestState:
 @dataclass
 class _JobState:
     job: Job
-    kind: str  # "save" | "load"
+    kind: JobKind
     entries: list[Entry]
     blocks: list[tuple[int, int]]  # (group, block id) read by a save
     chunks: int
@@ -110,7 +152,7 @@ class OffloadScheduler:
         config: KvtierConfig,
         geometry: Geometry,
         namespace: bytes,
-        plan: SlabPlan,
+        slab_layout: SlabLayout,
         world_size: int = 1,
         loads_enabled: bool = True,
     ) -> None:
@@ -126,12 +168,12 @@ class OffloadScheduler:
             cls = self.slot_class[g]
             specs.append(GroupIndexSpec(
                 slot_class=cls,
-                policy=make_policy(config.policy, plan.classes[cls].num_slots, config),
+                policy=make_policy(config.policy, slab_layout.classes[cls].num_slots, config),
                 chained=gg.kind is GroupKind.FULL,
                 coupled_state=state_groups[0] if state_groups and gg.kind is GroupKind.FULL
                 else None,
             ))
-        self.allocator = SlotAllocator.for_plan(plan)
+        self.allocator = SlotAllocator.for_layout(slab_layout)
         self.index = MemoryIndex(specs, self.allocator)
         self.admission = make_admission(config)
         self.estimates = CostEstimates(
@@ -235,7 +277,7 @@ class OffloadScheduler:
                 ops.append(TransferOp(g, e.slot, self._load_blocks(st, g, j, hbm)))
         job = Job(next(self._job_ids), req_id, ops)
         n_chunks = hit.boundary - first_chunk
-        self.jobs[job.job_id] = _JobState(job, "load", entries, [], n_chunks, hit.tokens)
+        self.jobs[job.job_id] = _JobState(job, JobKind.LOAD, entries, [], n_chunks, hit.tokens)
         self._pending_load_chunks += n_chunks
         self._pinned_chunks += len(entries)
         st.load_job = job.job_id
@@ -322,15 +364,15 @@ class OffloadScheduler:
         for j in todo:
             reason = self._save_chunk(st, j, computed_after_step, jobs)
             if reason is not None:
-                self.stats.saves_dropped[reason] += 1
-                if reason in (DeclineSave.FULL.value, "save_queue_full", "blocks_missing"):
+                self.stats.saves_dropped[reason.value] += 1
+                if reason.drops_later_chunks:
                     break  # later chunks would be orphans of this one
         st.saved_chunks = max(st.saved_chunks, todo.stop)
         return jobs
 
     def _save_chunk(
         self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job]
-    ) -> str | None:
+    ) -> SaveDrop | None:
         key = st.keys.keys[j]
         parent = st.keys.keys[j - 1] if j > 0 else None
         c = self.geometry.chunk_tokens
@@ -348,14 +390,14 @@ class OffloadScheduler:
             if len(ids) < bpc or NULL_BLOCK in ids:
                 if gg.kind is GroupKind.SLIDING_WINDOW:
                     continue  # out of the window already: not needed for any later hit
-                return "blocks_missing"
+                return SaveDrop.BLOCKS_MISSING
             wanted.append((g, list(ids)))
         if not wanted:
             return None
         if self._pending_save_chunks + 1 > self.config.max_pending_saves:
-            return "save_queue_full"
+            return SaveDrop.QUEUE_FULL
         if not self.admission.admit(key):
-            return "admission"
+            return SaveDrop.ADMISSION
         entries: list[Entry] = []
         ops: list[TransferOp] = []
         for g, ids in wanted:
@@ -363,12 +405,12 @@ class OffloadScheduler:
             if not isinstance(e, Entry):
                 for done in entries:
                     self.index.abort(done)
-                return e.value
+                return e
             entries.append(e)
             ops.append(TransferOp(g, e.slot, ids))
         job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
         blocks = [(op.group, b) for op in ops for b in op.block_ids]
-        self.jobs[job.job_id] = _JobState(job, "save", entries, blocks, 1)
+        self.jobs[job.job_id] = _JobState(job, JobKind.SAVE, entries, blocks, 1)
         for g, b in blocks:
             self._block_jobs[g].setdefault(b, set()).add(job.job_id)
         st.save_jobs.add(job.job_id)
@@ -380,6 +422,29 @@ class OffloadScheduler:
         return None
 
     # -- the step ---------------------------------------------------------------------------
+    # The engine adapter calls schedule_step only. Its parts (on_preempted, on_blocks,
+    # note_allocated, plan_saves, build_step) stay callable for the planner bench, which
+    # times each of them.
+    def schedule_step(self, step: StepInput) -> StepPlan:
+        """Apply one engine step and return its plan for the workers.
+
+        The order is the contract: preemptions first (a request preempted since the last step
+        and resumed in this one keeps its resumed table), then block tables and copy targets
+        (the step's allocations, fenced against in-flight saves), then saves, then the plan.
+        """
+        for req_id in step.preempted:
+            self.on_preempted(req_id)
+        for new in step.new:
+            self.on_blocks(new.req_id, new.block_ids, replace=True)
+        for cached in step.cached:
+            if cached.new_block_ids is not None:
+                self.on_blocks(cached.req_id, cached.new_block_ids, replace=cached.resumed)
+        if step.copy_targets:
+            self.note_allocated(step.copy_targets)
+        for s in step.scheduled:
+            self.plan_saves(s.req_id, s.tokens, s.computed_after, s.num_prompt)
+        return self.build_step()
+
     def build_step(self) -> StepPlan:
         fence: set[int] = set()
         for reading, allocated in zip(self._block_jobs, self._step_allocated):
@@ -410,7 +475,7 @@ class OffloadScheduler:
         return plan
 
     def on_report(self, report: WorkerReport) -> None:
-        for kind, table in (("save", report.saves), ("load", report.loads)):
+        for kind, table in ((JobKind.SAVE, report.saves), (JobKind.LOAD, report.loads)):
             for job_id, (ok, failed) in table.items():
                 js = self.jobs.get(job_id)
                 if js is None or js.kind != kind:
@@ -431,7 +496,7 @@ class OffloadScheduler:
         del self.jobs[js.job.job_id]
         self.stats.max_job_steps = max(self.stats.max_job_steps, self._step - js.step)
         st = js.state
-        if js.kind == "save":
+        if js.kind is JobKind.SAVE:
             self._pending_save_chunks -= 1
             for g, b in js.blocks:
                 jobs = self._block_jobs[g].get(b)

@@ -52,7 +52,9 @@ class SizeClass:
 
 
 @dataclass(frozen=True)
-class SlabPlan:
+class SlabLayout:
+    """Where every slot of every size class lies in the slab (both halves derive it alike)."""
+
     classes: tuple[SizeClass, ...]
     shard_bytes: int
     num_shards: int
@@ -68,13 +70,13 @@ class SlabPlan:
         return shard * self.shard_bytes + c.offset + slot * c.stride
 
 
-def plan_slab(
+def lay_out_slab(
     total_bytes: int,
     kv_slot_bytes: Sequence[int],
     num_shards: int = 1,
     state_slot_bytes: int | None = None,
     state_bytes: int | None = None,
-) -> SlabPlan:
+) -> SlabLayout:
     """Split ``total_bytes`` (all shards) into size classes.
 
     KV classes come first (one per group, same slot count), the state class last, with
@@ -111,7 +113,7 @@ def plan_slab(
             )
         classes.append(SizeClass("state", state_slot_bytes, stride, n_state, pos))
         pos += stride * n_state
-    return SlabPlan(tuple(classes), _align_up(pos), num_shards)
+    return SlabLayout(tuple(classes), _align_up(pos), num_shards)
 
 
 class SlotAllocator:
@@ -123,8 +125,8 @@ class SlotAllocator:
         self._total = list(slots_per_class)
 
     @classmethod
-    def for_plan(cls, plan: SlabPlan) -> SlotAllocator:
-        return cls([c.num_slots for c in plan.classes])
+    def for_layout(cls, layout: SlabLayout) -> SlotAllocator:
+        return cls([c.num_slots for c in layout.classes])
 
     def num_slots(self, cls: int) -> int:
         return self._total[cls]
@@ -158,17 +160,17 @@ class HostSlab:
 
     def __init__(
         self,
-        plan: SlabPlan,
+        layout: SlabLayout,
         shm_name: str | None = None,
         pin: bool = False,
         pin_step: int = 2**30,
     ) -> None:
-        self.plan = plan
+        self.layout = layout
         self.shm_name = shm_name
         self._owner = False
         self._mmap: mmap.mmap | None = None
         self._registered: list[int] = []
-        total = plan.total_bytes
+        total = layout.total_bytes
         if shm_name is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
             self.buffer = torch.empty(total, dtype=torch.uint8)
@@ -201,7 +203,7 @@ class HostSlab:
             fd = os.open(path, os.O_RDWR)
         try:
             if os.fstat(fd).st_size != size:
-                raise SlabError(f"shared slab {path} has the wrong size for this engine's plan")
+                raise SlabError(f"shared slab {path} has the wrong size for this engine's slab layout")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -212,7 +214,7 @@ class HostSlab:
             raise SlabError("pinning asked for, but CUDA is not available")
         cudart = torch.cuda.cudart()
         base = self.buffer.data_ptr()
-        for start, length in pin_ranges(self.plan, pin_step):
+        for start, length in pin_ranges(self.layout, pin_step):
             err = cudart.cudaHostRegister(base + start, length, 0)
             if int(err) != 0:
                 self.close()
@@ -229,8 +231,8 @@ class HostSlab:
 
     def view(self, cls: int, slot: int, shard: int = 0) -> torch.Tensor:
         """The ``slot_bytes`` of one slot of one shard, as a uint8 tensor."""
-        off = self.plan.offset(cls, slot, shard)
-        return self.buffer[off : off + self.plan.classes[cls].slot_bytes]
+        off = self.layout.offset(cls, slot, shard)
+        return self.buffer[off : off + self.layout.classes[cls].slot_bytes]
 
     def close(self) -> None:
         if self._registered and torch.cuda.is_available():
@@ -250,14 +252,14 @@ class HostSlab:
             self._owner = False
 
 
-def pin_ranges(plan: SlabPlan, pin_step: int) -> list[tuple[int, int]]:
+def pin_ranges(layout: SlabLayout, pin_step: int) -> list[tuple[int, int]]:
     """(offset, length) pieces covering the slab, each at most ``pin_step`` bytes (or one slot
     if a slot is larger) and never splitting a slot, so that every copy is within one
     registration."""
     ranges = []
-    for shard in range(plan.num_shards):
-        base = shard * plan.shard_bytes
-        for c in plan.classes:
+    for shard in range(layout.num_shards):
+        base = shard * layout.shard_bytes
+        for c in layout.classes:
             per = max(1, pin_step // c.stride)
             for first in range(0, c.num_slots, per):
                 n = min(per, c.num_slots - first)

@@ -14,23 +14,22 @@ everywhere. The GPU engine (streams, events, batched DMA) lives in ``kvtier.gpu`
 
 from __future__ import annotations
 
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtier import codec
 from kvtier.layout import GroupKind, Layout
-from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job, JobKind, TransferOp
 from kvtier.slab import HostSlab
 
 
 @dataclass
 class Completion:
     job_id: int
-    kind: str  # "save" | "load"
+    kind: JobKind
     ok: bool
     nbytes: int
     seconds: float
@@ -109,59 +108,30 @@ class ChunkMover:
         return group.bytes_per_block * sum(1 for b in op.block_ids if b != SKIP)
 
 
-FaultHook = Callable[[str, Job, TransferOp], None]
-
-
 class ThreadedTransferEngine(TransferEngine):
-    """Copies on one background thread, in submission order.
+    """Copies on one background thread, in submission order."""
 
-    ``hold_steps`` (test only) keeps every job queued, unstarted, for that many calls of
-    :meth:`tick`; a fence on a held save runs it at once, so tests can prove fences run.
-    """
-
-    def __init__(self, mover: ChunkMover, hold_steps: int = 0,
-                 fault: FaultHook | None = None) -> None:
+    def __init__(self, mover: ChunkMover) -> None:
         self.mover = mover
-        self.hold_steps = hold_steps
-        self.fault = fault
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-transfer")
-        self._lock = threading.Lock()
-        self._running: dict[int, tuple[str, Future]] = {}
-        self._held: list[tuple[int, str, Job]] = []  # (release tick, kind, job)
-        self._tick = 0
-        self._done: list[Completion] = []
-
-    def tick(self) -> None:
-        """One engine step passed: release held jobs that waited long enough."""
-        self._tick += 1
-        ready = [h for h in self._held if h[0] <= self._tick]
-        self._held = [h for h in self._held if h[0] > self._tick]
-        for _, kind, job in ready:
-            self._start(kind, job)
+        self._running: dict[int, tuple[JobKind, Future]] = {}
 
     def save(self, job: Job) -> None:
-        self._submit("save", job)
+        self._start(JobKind.SAVE, job)
 
     def load(self, job: Job) -> None:
-        self._submit("load", job)
+        self._start(JobKind.LOAD, job)
 
-    def _submit(self, kind: str, job: Job) -> None:
-        if self.hold_steps:
-            self._held.append((self._tick + self.hold_steps, kind, job))
-        else:
-            self._start(kind, job)
-
-    def _start(self, kind: str, job: Job) -> None:
+    def _start(self, kind: JobKind, job: Job) -> None:
         self._running[job.job_id] = (kind, self._pool.submit(self._run, kind, job))
 
-    def _run(self, kind: str, job: Job) -> Completion:
+    def _run(self, kind: JobKind, job: Job) -> Completion:
         t0 = time.perf_counter()
         nbytes = 0
         try:
+            move = self.mover.save_op if kind is JobKind.SAVE else self.mover.load_op
             for op in job.ops:
-                if self.fault is not None:
-                    self.fault(kind, job, op)
-                nbytes += self.mover.save_op(op) if kind == "save" else self.mover.load_op(op)
+                nbytes += move(op)
         except Exception as e:  # a failed copy is a failed job, reported like any other
             return Completion(job.job_id, kind, False, nbytes, time.perf_counter() - t0,
                               f"{type(e).__name__}: {e}")
@@ -170,12 +140,8 @@ class ThreadedTransferEngine(TransferEngine):
     def fence(self, job_ids: Sequence[int]) -> int:
         waited = 0
         for job_id in job_ids:
-            held = [h for h in self._held if h[2].job_id == job_id]
-            for h in held:
-                self._held.remove(h)
-                self._start(h[1], h[2])
             entry = self._running.get(job_id)
-            if entry is not None and entry[0] == "save":
+            if entry is not None and entry[0] is JobKind.SAVE:
                 if not entry[1].done():
                     waited += 1
                 entry[1].result()  # CPU: the next forward runs on this host thread
@@ -190,13 +156,10 @@ class ThreadedTransferEngine(TransferEngine):
         return out
 
     def pending(self) -> int:
-        return len(self._running) + len(self._held)
+        return len(self._running)
 
     def drain(self) -> None:
         """Wait for everything submitted (shutdown and tests)."""
-        for _, kind, job in self._held:
-            self._start(kind, job)
-        self._held.clear()
         for _, fut in list(self._running.values()):
             fut.result()
 

@@ -14,21 +14,21 @@ job, and asks :meth:`~kvtier.transfer.TransferEngine.query` for jobs in flight f
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
 from kvtier.layout import GroupKind, Layout
-from kvtier.ops import Job, StepPlan, TransferOp, WorkerReport
-from kvtier.planner import Geometry, GroupGeometry, make_slab_plan, slot_classes
+from kvtier.log import get_logger
+from kvtier.planner import Geometry, GroupGeometry, make_slab_layout, slot_classes
+from kvtier.protocol import Job, JobKind, StepPlan, WorkerReport
 from kvtier.slab import HostSlab
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
 
-logger = logging.getLogger("kvtier")
+logger = get_logger("worker")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class StepResult:
 
 
 class OffloadWorker:
+    """One rank's worker half. ``engine_factory`` makes the engine that moves the bytes
+    from this worker's :class:`~kvtier.transfer.ChunkMover` (default: the CPU engine)."""
+
     def __init__(
         self,
         config: KvtierConfig,
@@ -93,8 +96,8 @@ class OffloadWorker:
         self.replicated = replicated
         self.geometry = planner_geometry(worker_geometry(layout), chunk_tokens)
         num_shards = 1 if replicated else world_size
-        self.plan = make_slab_plan(config, self.geometry, num_shards)
-        self.slab = HostSlab(self.plan, shm_name=shm_name if world_size > 1 else None,
+        self.slab_layout = make_slab_layout(config, self.geometry, num_shards)
+        self.slab = HostSlab(self.slab_layout, shm_name=shm_name if world_size > 1 else None,
                              pin=pin, pin_step=config.pin_step_size)
         shard = 0 if replicated else rank
         self.writes = not replicated or rank == 0
@@ -105,12 +108,9 @@ class OffloadWorker:
         )
         self.engine: TransferEngine = (
             engine_factory(self.mover) if engine_factory is not None
-            else ThreadedTransferEngine(self.mover, hold_steps=config.fault_hold_steps,
-                                        fault=self._fault))
+            else ThreadedTransferEngine(self.mover))
         self._load_reqs: dict[int, tuple[str, list[int]]] = {}
         self._reported_nowrite: list[Job] = []
-        self._fail_loads_left = config.fault_fail_loads
-        self._raise_left = config.fault_raise_in_transfer
         self._fences_waited = 0
         self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
         self._collects = 0
@@ -120,24 +120,7 @@ class OffloadWorker:
         self.failures = 0  # failed transfer jobs, ever
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
-        self.plan_step = 0
-
-    # -- fault injection (test only; every switch defaults off) -----------------------------
-    def _fault(self, kind: str, job: Job, op: TransferOp) -> None:
-        if self._raise_left > 0:
-            self._raise_left -= 1
-            raise RuntimeError("kvtier test fault: exception inside a transfer")
-
-    def _load_ops(self, job: Job) -> Job:
-        skip = self.config.fault_skip_load_chunk
-        if skip < 0:
-            return job
-        kv_ops = [op for op in job.ops if self.layout.groups[op.group].spec.kind
-                  is not GroupKind.STATE]
-        if skip >= len(kv_ops):
-            return job
-        dropped = kv_ops[skip]
-        return Job(job.job_id, job.req_id, [op for op in job.ops if op is not dropped], job.chunk)
+        self.step = 0  # of the last plan begun
 
     # -- the step ---------------------------------------------------------------------------
     def fence(self, plan: StepPlan) -> None:
@@ -149,13 +132,13 @@ class OffloadWorker:
 
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward (after :meth:`fence`): start this step's loads."""
-        self.plan_step = plan.step
+        self.step = plan.step
         self.engine.tick()
         for job in plan.loads:
             self._load_reqs[job.job_id] = (
                 job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
             self._inflight[job.job_id] = self._collects
-            self.engine.load(self._load_ops(job))
+            self.engine.load(job)
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""
@@ -198,7 +181,7 @@ class OffloadWorker:
             if self.failures <= 20 or self.failures % 100 == 0:  # loud, but bounded
                 logger.warning("kvtier rank %d: %s job %d failed (%d so far): %s", self.rank,
                                c.kind, c.job_id, self.failures, c.error or "no reason given")
-        if c.kind == "save":
+        if c.kind == JobKind.SAVE:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes
             rep.save_seconds += c.seconds
@@ -206,9 +189,6 @@ class OffloadWorker:
             return
         req_id, blocks = self._load_reqs.pop(c.job_id)
         ok = c.ok
-        if ok and self._fail_loads_left > 0:
-            self._fail_loads_left -= 1
-            ok = False
         rep.loads[c.job_id] = [1, 0] if ok else [0, 1]
         rep.bytes_loaded += c.nbytes
         rep.load_seconds += c.seconds

@@ -105,23 +105,24 @@ def _drained(h: Any) -> None:
 
 
 @pytest.fixture
-def worker(engine: Any) -> Iterator[Any]:
-    w = engine.worker_connector._worker
-    yield w
-    w._raise_left = 0
-    w.engine.hold_steps = 0
+def faults(engine: Any) -> Iterator[Any]:
+    """The worker's transfer engine wrapper (kvtier.testing.faults); every fault off after."""
+    f = engine.faults
+    yield f
+    f.raise_in_jobs = 0
+    f.hold_steps = 0
 
 
-def test_exception_inside_a_save_transfer(engine: Any, worker: Any) -> None:
+def test_exception_inside_a_save_transfer(engine: Any, faults: Any) -> None:
     stats = engine.kvtier.stats
     failed0 = stats.saves_failed
     engine.llm.reset_prefix_cache(reset_connector=True)
 
     def fault(stage: str) -> None:
         if stage == "A":
-            worker._raise_left = 1  # the first copy of run A, a save of chunk 0, raises
+            faults.raise_in_jobs = 1  # the first job of run A, the save of chunk 0, raises
         else:
-            worker._raise_left = 0
+            faults.raise_in_jobs = 0
 
     res = serve_check(engine, prompt(3 * C + 5, seed=101), fault)
     assert stats.saves_failed - failed0 >= 1
@@ -131,13 +132,13 @@ def test_exception_inside_a_save_transfer(engine: Any, worker: Any) -> None:
     _drained(engine)
 
 
-def test_exception_inside_a_load_transfer(engine: Any, worker: Any) -> None:
+def test_exception_inside_a_load_transfer(engine: Any, faults: Any) -> None:
     stats = engine.kvtier.stats
     failed0, started0 = stats.loads_failed, stats.loads_started
     engine.llm.reset_prefix_cache(reset_connector=True)
 
     def fault(stage: str) -> None:
-        worker._raise_left = 1 if stage == "B" else 0  # run B's first copy is its load
+        faults.raise_in_jobs = 1 if stage == "B" else 0  # run B's first job is its load
 
     res = serve_check(engine, prompt(3 * C + 5, seed=111), fault)
     assert stats.loads_failed - failed0 == 1 and stats.loads_started - started0 == 1
@@ -161,7 +162,7 @@ def test_full_slab(engine: Any) -> None:
     _drained(engine)
 
 
-def test_full_save_queue(engine: Any, worker: Any) -> None:
+def test_full_save_queue(engine: Any, faults: Any) -> None:
     sched = engine.kvtier
     dropped0 = sched.stats.saves_dropped["save_queue_full"]
     config = sched.config
@@ -170,10 +171,10 @@ def test_full_save_queue(engine: Any, worker: Any) -> None:
     def fault(stage: str) -> None:
         if stage == "A":  # one save in flight at most, held 3 steps: the rest are dropped
             sched.config = config.model_copy(update={"max_pending_saves": 1})
-            worker.engine.hold_steps = 3
+            faults.hold_steps = 3
         else:
             sched.config = config
-            worker.engine.hold_steps = 0
+            faults.hold_steps = 0
 
     try:
         res = serve_check(engine, prompt(4 * C + 5, seed=131), fault)

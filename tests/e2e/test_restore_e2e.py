@@ -1,7 +1,7 @@
 """The restore check on a real vLLM CPU engine (issue: the connector, end to end).
 
-One engine serves every check in this module; fault switches are toggled on the worker half
-between checks. The HBM cache is small (160 blocks of 32 tokens) so that the hold-and-
+One engine serves every check in this module; fault switches are toggled on the worker's
+transfer engine wrapper (kvtier.testing.faults) between checks. The HBM cache is small (160 blocks of 32 tokens) so that the hold-and-
 preempt checks see real preemption and block reuse.
 """
 
@@ -48,19 +48,13 @@ def test_two_requests_sharing_a_prefix_in_one_batch(engine: Any) -> None:
     _check(engine, [shared + prompt(C + 7, seed=12), shared + prompt(C + 3, seed=13)])
 
 
-def _set_worker_faults(engine: Any, **faults: int) -> None:
-    w = engine.worker_connector._worker
-    w.config = w.config.model_copy(update=faults)
-    w._fail_loads_left = w.config.fault_fail_loads
-
-
 def test_negative_control_a_skipped_chunk_copy_fails_the_check(engine: Any) -> None:
     """Proof that the check can fail: skip the copy of one chunk of the load."""
-    _set_worker_faults(engine, fault_skip_load_chunk=0)
+    engine.faults.skip_load_chunk = 0
     try:
         res = restore_check(engine, [prompt(3 * C + 5, seed=31)], greedy())
     finally:
-        _set_worker_faults(engine, fault_skip_load_chunk=-1)
+        engine.faults.skip_load_chunk = -1
         engine.llm.reset_prefix_cache()  # HBM now caches the unfilled blocks
     (p,) = res.prompts
     assert res.restored_tokens == res.expected_restored  # the load "succeeded"...
@@ -70,12 +64,12 @@ def test_negative_control_a_skipped_chunk_copy_fails_the_check(engine: Any) -> N
 
 def test_injected_load_failure_recomputes_and_is_not_offered_again(engine: Any) -> None:
     stats = engine.kvtier.stats
-    _set_worker_faults(engine, fault_fail_loads=1)
+    engine.faults.fail_loads = 1
     before = (stats.loads_started, stats.loads_failed, stats.declined["load_failed_before"])
     try:
         res = restore_check(engine, [prompt(3 * C + 5, seed=41)], greedy())
     finally:
-        _set_worker_faults(engine, fault_fail_loads=0)
+        engine.faults.fail_loads = 0
     (p,) = res.prompts
     assert res.loads_failed == 1 and res.restored_tokens == 0
     assert p.tokens_equal and p.logprobs_equal  # recomputed: identical output
@@ -106,7 +100,7 @@ def test_transfers_held_in_flight_abort_preempt_and_reuse(engine: Any) -> None:
     engine.llm.reset_prefix_cache()
     st0 = (sched.stats.fences, sched.stats.fences_after_finish, sched.stats.preempted_with_saves,
            worker.total_fences_waited)
-    worker.engine.hold_steps = 3
+    engine.faults.hold_steps = 3
     try:
         # (a) aborted while parked on a held load
         eng.add_request("parked", {"prompt_token_ids": parked_prompt}, greedy())
@@ -121,7 +115,7 @@ def test_transfers_held_in_flight_abort_preempt_and_reuse(engine: Any) -> None:
         # (c) requests that finish while their saves are held, then (b) more KV than HBM
         # holds: their blocks are reused and running requests are preempted, all while the
         # saves of those requests are still held
-        worker.engine.hold_steps = 250
+        engine.faults.hold_steps = 250
         short = [prompt(4 * C + 100, seed=70 + i) for i in range(2)]
         for i, p in enumerate(short):
             eng.add_request(f"short{i}", {"prompt_token_ids": p}, greedy(max_tokens=2))
@@ -131,7 +125,7 @@ def test_transfers_held_in_flight_abort_preempt_and_reuse(engine: Any) -> None:
             eng.add_request(f"long{i}", {"prompt_token_ids": p}, greedy(max_tokens=300))
         _run_steps(engine, lambda: not eng.has_unfinished_requests(), max_steps=3000)
     finally:
-        worker.engine.hold_steps = 0
+        engine.faults.hold_steps = 0
     settle(engine)
     stats = sched.stats
     assert stats.max_job_steps >= 3, "transfers were not held in flight"

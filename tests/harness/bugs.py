@@ -44,7 +44,7 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 def no_fence() -> contextlib.AbstractContextManager[None]:
     def handle_preemptions(self: KvtierConnector, kv_connector_metadata: Any = None,
                            **kwargs: Any) -> None:
-        plan, _ = self._plan(kv_connector_metadata)
+        plan, _ = self._step_plan(kv_connector_metadata)
         if self._worker is not None and plan is not None:
             self._fenced_step = plan.step  # claims the step was fenced, fences nothing
 
@@ -109,7 +109,7 @@ def off_by_one_slot() -> contextlib.AbstractContextManager[None]:
     original = ChunkMover.load_op
 
     def load_op(self: ChunkMover, op: Any) -> int:
-        n = self.slab.plan.classes[self.slot_class[op.group]].num_slots
+        n = self.slab.layout.classes[self.slot_class[op.group]].num_slots
         shifted = type(op)(op.group, (op.slot + 1) % n, op.block_ids)
         return original(self, shifted)
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.ops import SKIP
+from kvtier.protocol import SKIP
 
 from . import content
 from .compat import HAS_FAILED_RECVING, RequestStatus

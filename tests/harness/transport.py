@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.transfer import ChunkMover, Completion, TransferEngine
 
 from .workload import FaultPlan

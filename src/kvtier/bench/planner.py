@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.config import KvtierConfig
     from kvtier.index.base import Entry
     from kvtier.layout import GroupKind
-    from kvtier.ops import WorkerReport
-    from kvtier.planner import Geometry, GroupGeometry, make_slab_plan
+    from kvtier.planner import Geometry, GroupGeometry, make_slab_layout
+    from kvtier.protocol import WorkerReport
     from kvtier.scheduler import OffloadScheduler
 
     rng = random.Random(args.seed)
@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
         dram_size=f"{args.stored_chunks * 32}MiB", policy=args.policy, chunk_tokens=chunk,
         max_pending_saves=1 << 20, max_pending_loads=1 << 20, max_pins=1 << 22,
     )
-    plan = make_slab_plan(cfg, geo, 1)
-    sched = OffloadScheduler(cfg, geo, b"bench-namespace", plan)
-    capacity = plan.classes[0].num_slots
+    slab_layout = make_slab_layout(cfg, geo, 1)
+    sched = OffloadScheduler(cfg, geo, b"bench-namespace", slab_layout)
+    capacity = slab_layout.classes[0].num_slots
     print(f"kvtier bench planner: {capacity:,} slots, filling {args.stored_chunks:,} chunks "
           f"in prefixes of {args.prefix_chunks} ...", flush=True)
 

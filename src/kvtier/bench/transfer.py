@@ -188,16 +188,16 @@ def geometry(family: str, chunk: int, span: int, smoke: bool = False) -> Geometr
 # --- one cell --------------------------------------------------------------------------------
 
 class _Slab:
-    """Slab slots over a slice of one pinned buffer (the engine needs ``plan`` and
+    """Slab slots over a slice of one pinned buffer (the engine needs ``layout`` and
     ``buffer``; the spot checks ``view``)."""
 
-    def __init__(self, plan: Any, buffer: Any) -> None:
-        self.plan = plan
-        self.buffer = buffer[: plan.total_bytes]
+    def __init__(self, layout: Any, buffer: Any) -> None:
+        self.layout = layout
+        self.buffer = buffer[: layout.total_bytes]
 
     def view(self, cls: int, slot: int, shard: int = 0) -> Any:
-        off = self.plan.offset(cls, slot, shard)
-        return self.buffer[off: off + self.plan.classes[cls].slot_bytes]
+        off = self.layout.offset(cls, slot, shard)
+        return self.buffer[off: off + self.layout.classes[cls].slot_bytes]
 
     def close(self) -> None:
         pass
@@ -259,8 +259,8 @@ def _allocate(geo: Geometry, device: Any) -> tuple[dict[str, Any], dict[str, Any
 
 def build_cell(geo: Geometry, device: Any, pinned: Any, span: int, seed: int) -> Cell:
     from kvtier.layout import GroupKind, GroupSpec, build_layout
-    from kvtier.ops import Job, TransferOp
-    from kvtier.slab import ALIGN, SizeClass, SlabPlan
+    from kvtier.protocol import Job, TransferOp
+    from kvtier.slab import ALIGN, SizeClass, SlabLayout
     from kvtier.transfer import ChunkMover
 
     kv, layers, storages = _allocate(geo, device)
@@ -280,11 +280,11 @@ def build_cell(geo: Geometry, device: Any, pinned: Any, span: int, seed: int) ->
         stride = -(-cb // ALIGN) * ALIGN
         classes.append(SizeClass(f"c{i}", cb, stride, 2 * n, pos))
         pos += stride * 2 * n
-    plan = SlabPlan(tuple(classes), pos, 1)
-    if plan.total_bytes > pinned.numel():
-        raise RuntimeError(f"{geo.family}: needs {plan.total_bytes} pinned bytes, "
+    slab_layout = SlabLayout(tuple(classes), pos, 1)
+    if slab_layout.total_bytes > pinned.numel():
+        raise RuntimeError(f"{geo.family}: needs {slab_layout.total_bytes} pinned bytes, "
                            f"have {pinned.numel()}")
-    slab = _Slab(plan, pinned)
+    slab = _Slab(slab_layout, pinned)
     mover = ChunkMover(layout, slab, 0, list(range(len(layout.groups))), geo.bpc)
     rng = random.Random(seed)
     nb = geo.num_blocks
@@ -833,7 +833,7 @@ def _warm(eng: Any, cell: Cell, idle: Any, sync: Callable[[], None]) -> None:
     """Compile kernels and touch every path once (a few jobs of each kind)."""
     import torch
 
-    from kvtier.ops import Job
+    from kvtier.protocol import Job
 
     ctx = torch.cuda.stream(idle) if idle is not None else _null()
     with ctx:

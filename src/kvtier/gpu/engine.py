@@ -64,7 +64,7 @@ from kvtier.gpu.dma import (
 )
 from kvtier.layout import GroupKind
 from kvtier.log import get_logger
-from kvtier.ops import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.transfer import ChunkMover, Completion, TransferEngine
 
 logger = get_logger("gpu.engine")
@@ -315,7 +315,7 @@ class CudaTransferEngine(TransferEngine):
         # where each cudaHostRegister of the slab starts: copies must not straddle two
         self._host_bounds = np.array(sorted(getattr(slab, "registered", ())[1:]),
                                      dtype=np.int64)
-        self._plan = slab.plan
+        self._plan = slab.layout
         self._chunk_bytes = {g.gid: g.chunk_bytes for g in self._groups}
         self._queued: list[Job] = []
         self._queued_bytes = 0

@@ -26,15 +26,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
-
-class DeclineSave(str, Enum):
-    """Why ``reserve`` returned no entry."""
-
-    STORED = "already_stored"
-    NO_PARENT = "parent_not_stored"
-    FULL = "no_evictable_slot"
+from kvtier.protocol import SaveDrop
 
 
 class Entry:
@@ -82,7 +75,8 @@ class Index(ABC):
     @abstractmethod
     def reserve(
         self, group: int, key: bytes, parent_key: bytes | None
-    ) -> Entry | DeclineSave: ...
+    ) -> Entry | SaveDrop:
+        """A WRITING entry, or why not: STORED, NO_PARENT or FULL."""
 
     @abstractmethod
     def commit(self, entry: Entry) -> bool:

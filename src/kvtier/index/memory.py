@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.index.base import DeclineSave, Entry, Index, IndexStats
+from kvtier.index.base import Entry, Index, IndexStats
 from kvtier.policy.base import EvictionPolicy
+from kvtier.protocol import SaveDrop
 from kvtier.slab import SlotAllocator
 
 
@@ -54,21 +55,21 @@ class MemoryIndex(Index):
         return self._entries[group].get(key)
 
     # -- writes ---------------------------------------------------------------------------
-    def reserve(self, group: int, key: bytes, parent_key: bytes | None) -> Entry | DeclineSave:
+    def reserve(self, group: int, key: bytes, parent_key: bytes | None) -> Entry | SaveDrop:
         spec = self.groups[group]
         entries = self._entries[group]
         if key in entries:
-            return DeclineSave.STORED
+            return SaveDrop.STORED
         parent = None
         if spec.chained and parent_key is not None:
             parent = entries.get(parent_key)
             if parent is None:
-                return DeclineSave.NO_PARENT
+                return SaveDrop.NO_PARENT
         slot = self.allocator.allocate(spec.slot_class)
         if slot is None and self._evict_one(group, protect=parent):
             slot = self.allocator.allocate(spec.slot_class)
         if slot is None:
-            return DeclineSave.FULL
+            return SaveDrop.FULL
         entry = Entry(group, key, slot, parent)
         entries[key] = entry
         if parent is not None:

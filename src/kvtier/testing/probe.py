@@ -4,16 +4,21 @@ made independently of kvtier's own bookkeeping. Never used in production.
 - Scheduler side: the block ids vLLM passes to ``request_finished_all_groups`` (vLLM's own
   block table for the request at its end), per request.
 - Worker side: the tensors vLLM registered, untouched, so a check can read a block through
-  vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern.
+  vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern; and its transfer
+  engine wrapped in a :class:`~kvtier.testing.faults.FaultyEngine` (every fault off until a
+  test switches one on).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from kvtier.testing.faults import FaultyEngine, faulty_factory
+from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm.connector import KvtierConnector
 
 
@@ -41,6 +46,16 @@ class ProbeConnector(KvtierConnector):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.vllm_kv_caches = dict(kv_caches)
         super().register_kv_caches(kv_caches)
+
+    def _engine_factory(self, device_is_cuda: bool
+                        ) -> Callable[[ChunkMover], TransferEngine] | None:
+        return faulty_factory(super()._engine_factory(device_is_cuda))
+
+    @property
+    def faults(self) -> FaultyEngine:
+        """The fault switches of this worker's transfer engine."""
+        assert self._worker is not None and isinstance(self._worker.engine, FaultyEngine)
+        return self._worker.engine
 
     # -- worker-side checks, through vLLM's tensors only -----------------------------------
     def _tensors(self, value: Any) -> list[torch.Tensor]:
@@ -120,17 +135,17 @@ def rpc_worker_facts(worker: Any) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = get_kv_transfer_group()._worker
-    return {"rank": w.rank, "shards": w.plan.num_shards, "writes": w.writes,
+    return {"rank": w.rank, "shards": w.slab_layout.num_shards, "writes": w.writes,
             "replicated": w.replicated, "bytes_saved": w.total_bytes_saved,
             "bytes_loaded": w.total_bytes_loaded}
 
 
 def rpc_fail_next_loads(worker: Any, rank: int, n: int = 1) -> bool:
-    """Test-only: make the next ``n`` loads fail on one rank only."""
+    """Make the next ``n`` loads fail on one rank only."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    w = get_kv_transfer_group()._worker
-    if w.rank == rank:
-        w._fail_loads_left = n
+    probe = get_kv_transfer_group()
+    if probe._worker.rank == rank:
+        probe.faults.fail_loads = n
         return True
     return False

@@ -34,6 +34,12 @@ class EngineHandles:
         """The scheduler half's engine-agnostic core (OffloadScheduler)."""
         return self.scheduler_connector._sched
 
+    @property
+    def faults(self) -> Any:
+        """The in-process worker's fault switches (a kvtier.testing.faults.FaultyEngine)."""
+        assert self.worker_connector is not None, "the worker runs in another process"
+        return self.worker_connector.faults
+
 
 def handles(llm: Any) -> EngineHandles:
     core = llm.llm_engine.engine_core.engine_core  # requires the in-process engine core

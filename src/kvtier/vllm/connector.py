@@ -11,14 +11,14 @@
 Start-up handshake: the scheduler half sizes nothing until every worker has reported its
 layout (bytes per block, fingerprint) through the worker metadata of an engine step. Until
 then lookups are deferred (``None``) and ``has_pending_push_work`` keeps the engine stepping,
-so the first request waits one step, and both halves derive the same slab plan.
+so the first request waits one step, and both halves derive the same slab layout.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,9 +32,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.keys import UNSUPPORTED, Namespace
 from kvtier.layout import build_layout
-from kvtier.ops import StepPlan
-from kvtier.planner import make_slab_plan
-from kvtier.scheduler import OffloadScheduler
+from kvtier.log import get_logger, worker_census
+from kvtier.planner import make_slab_layout
+from kvtier.protocol import StepPlan
+from kvtier.scheduler import (
+    CachedRequest,
+    NewRequest,
+    OffloadScheduler,
+    ScheduledTokens,
+    StepInput,
+)
+from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm.block_axes import registered_block_axes
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
@@ -67,7 +75,7 @@ try:
 except ImportError:  # pragma: no cover
     generate_block_hash_extra_keys = None  # type: ignore[assignment]
 
-logger = logging.getLogger("kvtier")
+logger = get_logger("vllm.connector")
 
 MAX_GEOMETRY_DEFERRALS = 200
 
@@ -216,31 +224,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # kvtier deferred it; kvtier stops deferring after MAX_GEOMETRY_DEFERRALS)
             self._blind.update(scheduler_output.num_scheduled_tokens)
             return KvtierMetadata(StepPlan(), geometry_known=False)
-        groups = self.groups
-        # Preemptions first: a request preempted since the last step (reset_prefix_cache with
-        # reset_running_requests preempts between steps) may be resumed in this very step,
-        # and its resumed block table must not be wiped after it was set.
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            sched.on_preempted(req_id)
         for nr in scheduler_output.scheduled_new_reqs:
             if nr.req_id in self._requests:
                 self._ensure_request(self._requests[nr.req_id])
-            sched.on_blocks(nr.req_id, groups.to_kvtier(nr.block_ids), replace=True)
-            self._blind.discard(nr.req_id)  # a full table
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        resumed_flags = getattr(cached, "resumed_from_preemption", None)
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
-            if new_ids is not None:
-                sched.on_blocks(req_id, groups.to_kvtier(new_ids), replace=is_resumed)
-                if is_resumed:
-                    self._blind.discard(req_id)
-        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
-            dst = getattr(copy, "dst_block_id", None)
-            if dst is not None:
-                sched.note_allocated([[dst]] * len(groups.engine_ids))
+        step = self._step_input(scheduler_output, self.groups)
+        self._blind.difference_update(nr.req_id for nr in step.new)  # a full table
+        self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
+        scheduled = []
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         prefill = 0
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
@@ -250,9 +240,37 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             computed_after = req.num_computed_tokens + n_sched - len(spec.get(req_id, ()))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 prefill += n_sched
-            sched.plan_saves(req_id, req.all_token_ids, computed_after, req.num_prompt_tokens)
+            scheduled.append(ScheduledTokens(req_id, req.all_token_ids, computed_after,
+                                             req.num_prompt_tokens))
+        step.scheduled = scheduled
         self._prefill_tokens = prefill
-        return KvtierMetadata(sched.build_step(), geometry_known=True)
+        return KvtierMetadata(sched.schedule_step(step), geometry_known=True)
+
+    @staticmethod
+    def _step_input(scheduler_output: Any, groups: EngineGroups) -> StepInput:
+        """vLLM's scheduler output as kvtier's step input (block tables in kvtier's groups).
+        A request preempted since the last step (reset_prefix_cache with
+        reset_running_requests preempts between steps) may be resumed in this very step:
+        the scheduler orders that, not this translation."""
+        new = [NewRequest(nr.req_id, groups.to_kvtier(nr.block_ids))
+               for nr in scheduler_output.scheduled_new_reqs]
+        cached_out = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached_out, "resumed_req_ids", None) or set()
+        resumed_flags = getattr(cached_out, "resumed_from_preemption", None)
+        cached = []
+        for i, req_id in enumerate(cached_out.req_ids):
+            new_ids = cached_out.new_block_ids[i]
+            is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
+            cached.append(CachedRequest(
+                req_id, None if new_ids is None else groups.to_kvtier(new_ids),
+                resumed=is_resumed and new_ids is not None))
+        copies = [dst for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+                  if (dst := getattr(copy, "dst_block_id", None)) is not None]
+        return StepInput(
+            preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+            new=new, cached=cached,
+            copy_targets=[copies] * len(groups.engine_ids) if copies else [],
+        )
 
     def update_connector_output(self, connector_output: Any, **kwargs: Any) -> None:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -276,7 +294,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         chunk = self.config.resolve_chunk_tokens(first.block_sizes)
         geometry = planner_geometry(first, chunk)
         num_shards = 1 if self.replicated else self.world_size
-        plan = make_slab_plan(self.config, geometry, num_shards)
+        slab_layout = make_slab_layout(self.config, geometry, num_shards)
         ns = Namespace(
             model=self.model_name, layout_fingerprint=first.fingerprint,
             kv_cache_dtype=self.kv_cache_dtype, chunk_tokens=chunk,
@@ -284,13 +302,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size=int(self._vllm_config.parallel_config.tensor_parallel_size),
             extra=self.config.namespace_extra,
         ).digest()
-        self._sched = OffloadScheduler(self.config, geometry, ns, plan,
+        self._sched = OffloadScheduler(self.config, geometry, ns, slab_layout,
                                        world_size=self.world_size,
                                        loads_enabled=self.loads_enabled)
         for req in list(self._requests.values()):
             self._ensure_request(req)
-        logger.info("kvtier: %d chunk slots per group of %d tokens, %s", plan.classes[0].num_slots,
-                    chunk, [c.name for c in plan.classes])
+        logger.info("kvtier: %d chunk slots per group of %d tokens, %s",
+                    slab_layout.classes[0].num_slots, chunk,
+                    [c.name for c in slab_layout.classes])
 
     def request_finished(self, request: Any, block_ids: Any, **kwargs: Any
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -391,36 +410,44 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         rank = _rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
-        engine_factory = None
-        if device_is_cuda:
-            from kvtier.gpu.engine import CudaTransferEngine
-
-            def engine_factory(mover: Any) -> Any:
-                return CudaTransferEngine(mover, self.config, mode=self.config.transfer_path)
         shm = f"kvtier-{self._vllm_config.kv_transfer_config.engine_id}" if (
             self.world_size > 1) else None
         self._worker = OffloadWorker(
             self.config, layout, chunk, rank=rank, world_size=self.world_size,
             replicated=self.replicated, shm_name=shm, pin=device_is_cuda,
-            engine_factory=engine_factory,
+            engine_factory=self._engine_factory(device_is_cuda),
         )
-        logger.info("kvtier worker %d: %d groups, %s bytes per block, fingerprint %s", rank,
-                    len(layout.groups), self._geometry.bytes_per_block, layout.fingerprint)
+        transfer = f"cuda {self.config.transfer_path}" if device_is_cuda else "cpu threads"
+        logger.info("%s", worker_census(rank, layout, chunk, self._worker.slab_layout.total_bytes,
+                                        transfer))
 
-    def _plan(self, meta: Any) -> tuple[StepPlan | None, bool]:
+    def _engine_factory(self, device_is_cuda: bool
+                        ) -> Callable[[ChunkMover], TransferEngine] | None:
+        """The transfer engine of this worker: the CUDA engine for a KV cache on a GPU, else
+        None (the worker's CPU engine). Test connectors wrap it (kvtier.testing.faults)."""
+        if not device_is_cuda:
+            return None
+        from kvtier.gpu.engine import CudaTransferEngine
+
+        def make(mover: ChunkMover) -> TransferEngine:
+            return CudaTransferEngine(mover, self.config, mode=self.config.transfer_path)
+
+        return make
+
+    def _step_plan(self, meta: Any) -> tuple[StepPlan | None, bool]:
         if isinstance(meta, KvtierMetadata):
             return meta.plan, meta.geometry_known
         return None, False
 
     def handle_preemptions(self, kv_connector_metadata: Any = None, **kwargs: Any) -> None:
-        plan, _ = self._plan(kv_connector_metadata)
+        plan, _ = self._step_plan(kv_connector_metadata)
         if self._worker is not None and plan is not None:
             self._worker.fence(plan)
             self._fenced_step = plan.step
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        plan, known = self._plan(connector_metadata)
+        plan, known = self._step_plan(connector_metadata)
         if known:
             self._geometry_acked = True
         if self._worker is None or plan is None or plan.step == self._begun_step:
@@ -444,7 +471,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self._worker is None:
             return
-        plan, _ = self._plan(self._connector_metadata)
+        plan, _ = self._step_plan(self._connector_metadata)
         if plan is not None and plan.saves:
             self._worker.end_step(plan)  # queued, not waited for
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvtier.ops import StepPlan, WorkerReport
+from kvtier.protocol import StepPlan, WorkerReport
 from kvtier.worker import WorkerGeometry
 
 try:  # both 0.25.1 and 0.32 have it; keep the import soft for older releases

@@ -19,13 +19,14 @@ scheduler half's counters). Contract:
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
+from kvtier.log import get_logger
 from kvtier.planner import Decline
+from kvtier.protocol import JobKind, SaveDrop
 
 PREFIX = "vllm:kvtier_"
 GAUGE = "gauge_"
@@ -75,20 +76,19 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "saves_committed": ("saves", {"outcome": "committed"}),
     "saves_failed": ("saves", {"outcome": "failed"}),
     "evictions": ("evictions", {}),
-    "bytes_saved": ("transfer_bytes", {"direction": "save"}),
-    "bytes_loaded": ("transfer_bytes", {"direction": "load"}),
-    "save_seconds": ("transfer_seconds", {"direction": "save"}),
-    "load_seconds": ("transfer_seconds", {"direction": "load"}),
-    "save_jobs": ("transfer_jobs", {"direction": "save"}),
-    "load_jobs": ("transfer_jobs", {"direction": "load"}),
+    "bytes_saved": ("transfer_bytes", {"direction": JobKind.SAVE.value}),
+    "bytes_loaded": ("transfer_bytes", {"direction": JobKind.LOAD.value}),
+    "save_seconds": ("transfer_seconds", {"direction": JobKind.SAVE.value}),
+    "load_seconds": ("transfer_seconds", {"direction": JobKind.LOAD.value}),
+    "save_jobs": ("transfer_jobs", {"direction": JobKind.SAVE.value}),
+    "load_jobs": ("transfer_jobs", {"direction": JobKind.LOAD.value}),
     "transfer_failures": ("transfer_failures", {}),
     "fences": ("fences", {}),
     "fences_waited": ("fences_waited", {}),
     "unsaveable_requests": ("unsaveable_requests", {}),
     "resets": ("resets", {}),
 }
-KNOWN_DROP_REASONS = ("already_stored", "parent_not_stored", "no_evictable_slot",
-                      "save_queue_full", "admission", "blocks_missing")
+KNOWN_DROP_REASONS = tuple(r.value for r in SaveDrop)
 
 # stats key -> gauge name
 GAUGES: dict[str, str] = {
@@ -98,7 +98,7 @@ GAUGES: dict[str, str] = {
 }
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
-logger = logging.getLogger("kvtier")
+logger = get_logger("vllm.prom")
 
 
 class _Null:
@@ -132,7 +132,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                 self._series(engine, "counter", "saves_dropped", {"reason": reason})
             for name in (*GAUGES.values(), "occupancy"):
                 self._series(engine, "gauge", name, {})
-            for direction in ("save", "load"):
+            for direction in (JobKind.SAVE.value, JobKind.LOAD.value):
                 self._series(engine, "gauge", "transfer_gbps", {"direction": direction})
 
     def _series(self, engine: int, kind: str, name: str, labels: dict[str, str]) -> Any:
@@ -186,8 +186,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         used, total = data.get("gauge_slots_used"), data.get("gauge_slots_total")
         if used is not None and total:
             self._series(engine_idx, "gauge", "occupancy", {}).set(used / total)
-        for direction, b, s in (("save", "bytes_saved", "save_seconds"),
-                                ("load", "bytes_loaded", "load_seconds")):
+        for direction, b, s in ((JobKind.SAVE.value, "bytes_saved", "save_seconds"),
+                                (JobKind.LOAD.value, "bytes_loaded", "load_seconds")):
             if data.get(b) and data.get(s):
                 self._series(engine_idx, "gauge", "transfer_gbps",
                              {"direction": direction}).set(data[b] / data[s] / 1e9)

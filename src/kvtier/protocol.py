@@ -1,4 +1,6 @@
-"""What the scheduler half tells the workers each step, and what they report back.
+"""The protocol between the halves: what the scheduler half tells the workers each step (a
+:class:`StepPlan`), what they report back (a :class:`WorkerReport`), and the names both
+sides count by (:class:`JobKind`, :class:`SaveDrop`).
 
 Plain dataclasses of ints and strings: they travel pickled inside vLLM's connector metadata
 (scheduler -> workers) and worker metadata (workers -> scheduler), so they stay small.
@@ -7,6 +9,41 @@ Plain dataclasses of ints and strings: they travel pickled inside vLLM's connect
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class _Named(str, Enum):
+    """An enum whose members are their value wherever they are printed or compared."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class JobKind(_Named):
+    """What a job moves: a chunk into the slab (save) or a request's chunks out (load)."""
+
+    SAVE = "save"
+    LOAD = "load"
+
+
+class SaveDrop(_Named):
+    """Why a chunk's save was dropped before it started. The values name the stats keys
+    (``saves_dropped_<value>``) and the Prometheus ``reason`` label, so they never change.
+
+    The index declines the first three (``reserve``); the scheduler the others.
+    """
+
+    STORED = "already_stored"
+    NO_PARENT = "parent_not_stored"
+    FULL = "no_evictable_slot"
+    QUEUE_FULL = "save_queue_full"
+    ADMISSION = "admission"
+    BLOCKS_MISSING = "blocks_missing"
+
+    @property
+    def drops_later_chunks(self) -> bool:
+        """Whether the chunks after this one are dropped too (they would be orphans)."""
+        return self in (SaveDrop.FULL, SaveDrop.QUEUE_FULL, SaveDrop.BLOCKS_MISSING)
 
 SKIP = -1
 """A block id in a load that must not be written (already in HBM, or outside a window)."""
@@ -32,12 +69,12 @@ class Job:
     job_id: int
     req_id: str
     ops: list[TransferOp]
-    chunk: int = -1  # saves: the chunk index (for tests and fault injection)
+    chunk: int = -1  # saves: the chunk index (tests and logs)
 
 
 @dataclass
 class StepPlan:
-    """The connector metadata of one engine step."""
+    """The plan of one engine step: what every worker loads, fences and saves."""
 
     step: int = 0
     loads: list[Job] = field(default_factory=list)

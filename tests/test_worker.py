@@ -1,0 +1,151 @@
+"""The worker half on a real CPU KV cache, driven one step plan at a time (``fence``,
+``begin_step``, ``end_step``, ``collect``): every job is reported exactly once per rank, as
+the scheduler's :class:`WorkerReport` expects it, whatever the engine's notices do
+(duplicated, lost), and a load that fails names its request and blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
+from kvtier.protocol import Job, StepPlan, TransferOp
+from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+from kvtier.worker import REQUERY_STEPS, OffloadWorker, StepResult
+
+
+class UnreliableNotices(TransferEngine):
+    """A real CPU engine whose completion notices arrive twice, or the first one never.
+    ``query`` answers from what the engine really finished (the ground truth)."""
+
+    def __init__(self, mover: ChunkMover, duplicate: bool = False, lose: bool = False) -> None:
+        self.inner = ThreadedTransferEngine(mover)
+        self.duplicate, self.lose = duplicate, lose
+        self.finished: dict[int, Completion] = {}
+
+    def save(self, job: Job) -> None:
+        self.inner.save(job)
+
+    def load(self, job: Job) -> None:
+        self.inner.load(job)
+
+    def fence(self, job_ids: Sequence[int]) -> int:
+        return self.inner.fence(job_ids)
+
+    def poll(self) -> list[Completion]:
+        out = []
+        for c in self.inner.poll():
+            self.finished[c.job_id] = c
+            if not self.lose:
+                out += [c, c] if self.duplicate else [c]
+        return out
+
+    def query(self, job_ids: Sequence[int]) -> list[Completion]:
+        return [self.finished[j] for j in job_ids if j in self.finished]
+
+    def pending(self) -> int:
+        return self.inner.pending()
+
+    def drain(self) -> None:
+        self.inner.drain()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def make_worker(kv: SmallKV, engine: Callable[[ChunkMover], TransferEngine] | None = None,
+                **kw: object) -> OffloadWorker:
+    return OffloadWorker(CONFIG, kv.layout, CHUNK_TOKENS, engine_factory=engine,
+                         **kw)  # type: ignore[arg-type]
+
+
+def step(worker: OffloadWorker, plan: StepPlan) -> StepResult:
+    """One engine step as the adapter drives it, the transfers given time to finish."""
+    worker.fence(plan)
+    worker.begin_step(plan)
+    worker.end_step(plan)
+    worker.drain()
+    return worker.collect()
+
+
+def save_job(job_id: int, slot: int, blocks: list[int], state_block: int) -> Job:
+    return Job(job_id, "r", [TransferOp(0, slot, blocks), TransferOp(1, slot, [state_block])],
+               chunk=slot)
+
+
+def test_a_save_and_a_load_round_trip_and_are_reported_once() -> None:
+    kv = SmallKV(seed=2)
+    worker = make_worker(kv)
+    want = kv.attn_block(1) + kv.attn_block(2) + kv.state_block(3)
+    res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)]))
+    assert res.report.saves == {1: [1, 0]} and res.report.bytes_saved > 0
+    saved = res.report.bytes_saved
+    kv.wipe()
+    res = step(worker, StepPlan(2, loads=[Job(2, "r", [TransferOp(0, 0, [7, 8]),
+                                                        TransferOp(1, 0, [9])])]))
+    assert res.report.loads == {2: [1, 0]} and res.finished_loads == {"r"}
+    assert res.failed_loads == set() and res.report.bytes_loaded == saved
+    assert same(kv.attn_block(7) + kv.attn_block(8) + kv.state_block(9), want)
+    assert worker.collect().report.empty()  # nothing reported twice
+    worker.close()
+
+
+def test_duplicated_notices_are_reported_once() -> None:
+    kv = SmallKV(seed=3)
+    worker = make_worker(kv, lambda m: UnreliableNotices(m, duplicate=True))
+    res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3), save_job(2, 1, [4, 5], 6)]))
+    assert res.report.saves == {1: [1, 0], 2: [1, 0]}
+    res = step(worker, StepPlan(2, loads=[Job(3, "r", [TransferOp(0, 0, [7, 8])])]))
+    assert res.report.loads == {3: [1, 0]} and res.finished_loads == {"r"}
+    assert worker.duplicate_completions == 3
+    assert worker.collect().report.empty()
+    worker.close()
+
+
+def test_a_lost_notice_is_found_by_query_within_a_few_collects() -> None:
+    kv = SmallKV(seed=4)
+    worker = make_worker(kv, lambda m: UnreliableNotices(m, lose=True))
+    plan = StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)],
+                    loads=[Job(2, "q", [TransferOp(0, 1, [7, 8])])])
+    reports = [step(worker, plan)]
+    reports += [worker.collect() for _ in range(REQUERY_STEPS + 2)]
+    saves = [r.report.saves for r in reports if r.report.saves]
+    loads = [r for r in reports if r.report.loads]
+    assert saves == [{1: [1, 0]}]  # exactly once...
+    assert [r.report.loads for r in loads] == [{2: [1, 0]}] and loads[0].finished_loads == {"q"}
+    assert reports.index(loads[0]) <= REQUERY_STEPS  # ...and within a few steps
+    assert worker.requeried == 2 and worker.pending() == 0
+    worker.close()
+
+
+def test_a_failed_load_names_its_request_and_blocks() -> None:
+    kv = SmallKV(seed=5)
+    worker = make_worker(kv)
+    bad = Job(1, "r", [TransferOp(0, 10**6, [4, 5]), TransferOp(1, 0, [6])])  # no such slot
+    res = step(worker, StepPlan(1, loads=[bad, Job(2, "s", [TransferOp(0, 0, [9, 10])])]))
+    assert res.report.loads == {1: [0, 1], 2: [1, 0]}
+    assert res.finished_loads == {"r", "s"} and res.failed_loads == {"r"}
+    assert res.failed_blocks == {4, 5, 6} and worker.failures == 1
+    worker.close()
+
+
+def test_a_rank_that_does_not_write_still_reports_its_saves() -> None:
+    """Replicated layouts (MLA under TP): only the first rank stores the single copy."""
+    kv = SmallKV(seed=6)
+    worker = make_worker(kv, rank=1, world_size=2, replicated=True)
+    assert not worker.writes
+    res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)]))
+    assert res.report.saves == {1: [1, 0]} and res.report.bytes_saved == 0
+    assert worker.collect().report.empty()
+    worker.close()
+
+
+def test_reports_of_several_ranks_sum() -> None:
+    kv = SmallKV(seed=7)
+    ranks = [make_worker(kv, rank=r, world_size=2) for r in range(2)]
+    plan = StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)])
+    results = [step(w, plan) for w in ranks]
+    total = results[0].merge(results[1]).report
+    assert total.saves == {1: [2, 0]}
+    assert total.bytes_saved == sum(r.report.bytes_saved for r in results) > 0
+    for w in ranks:
+        w.close()
