@@ -803,7 +803,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_mode(cell: Cell, cfg: Any, mode: str, thr: int, smoke: bool, idle: Any,
                   sync: Callable[[], None], gemm: Gemm | None) -> dict[str, Any]:
-    from kvtier.gpu.engine import CudaTransferEngine, HostRuntime
+    from kvtier.gpu.engine import CudaTransferEngine
+    from kvtier.testing.host_runtime import HostRuntime
 
     eng = CudaTransferEngine(cell.mover, cfg, mode=mode, runtime=HostRuntime() if smoke else None,
                              dma_min_piece=thr)
