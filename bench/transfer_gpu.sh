@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (DESIGN.md §3 machine): the GPU correctness tests, then the full
+# One device call (the H200 machine): the GPU correctness tests, then the full
 # `kvtier bench transfer`. Run from the repository root with $OUT set; extra arguments go to
 # the bench. Wheels for what the GPU image lacks travel in .whl/ (git ignores it; carry it):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

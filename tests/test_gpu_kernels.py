@@ -45,9 +45,10 @@ from kvtier.gpu.dma import (
     piece_descriptors,
     run_on_host,
 )
-from kvtier.gpu.engine import CudaTransferEngine, HostRuntime
+from kvtier.gpu.engine import CudaTransferEngine
 from kvtier.layout import GroupKind, GroupLayout
 from kvtier.protocol import SKIP, Job, TransferOp
+from kvtier.testing.host_runtime import FailingCopyRuntime, HostRuntime
 from kvtier.transfer import ChunkMover
 
 if not isinstance(kernels._move_kernel, kernels.triton.runtime.interpreter.InterpretedFunction):
@@ -239,15 +240,8 @@ def _simple(n_chunks: int = 4) -> tuple[Family, ChunkMover, list[int]]:
 @pytest.mark.parametrize("mode", ["dma", "kernel"])
 def test_bad_jobs_fail_once_and_write_nothing(mode: str) -> None:
     fam, mover, bpc = _simple()
-    hook_calls: list[int] = []
-
-    def fault(kind: str, job: Job, op: TransferOp) -> None:
-        hook_calls.append(job.job_id)
-        if job.job_id == 7:
-            raise RuntimeError("injected")
-
     eng = CudaTransferEngine(mover, KvtierConfig(dram_size="1GiB", gpu_staging_size="8MiB"),
-                             fault, mode=mode, runtime=HostRuntime())
+                             mode=mode, runtime=HostRuntime())
     nb = fam.layout.groups[0].num_blocks
     b = bpc[0]
     good = Job(1, "a", [TransferOp(0, 0, list(range(b)))])
@@ -257,7 +251,7 @@ def test_bad_jobs_fail_once_and_write_nothing(mode: str) -> None:
         Job(4, "d", [TransferOp(0, 1, [SKIP, *list(range(1, b))])]),  # SKIP in a save
         Job(5, "e", [TransferOp(0, 10**6, list(range(b)))]),  # slot out of range
         Job(6, "f", [TransferOp(0, 1, [1])]),  # too few ids
-        Job(7, "g", [TransferOp(0, 1, list(range(b)))]),  # the fault hook raises
+        Job(7, "g", [TransferOp(0, -1, list(range(b)))]),  # negative slot
         Job(8, "h", [TransferOp(3, 1, list(range(b)))]),  # no such group
         Job(9, "i", [TransferOp(0, 2, list(range(b))), TransferOp(0, 3, [-5] * b)]),
     ]
@@ -320,24 +314,13 @@ def test_saves_wait_for_a_flush_point_and_fence_flushes() -> None:
     mover.slab.close()
 
 
-class _FailingCopy(HostRuntime):
-    def __init__(self) -> None:
-        self.left = 1
-
-    def copy(self, desc: Any, stream: Any) -> None:
-        if self.left:
-            self.left -= 1
-            raise RuntimeError("injected DMA failure")
-        super().copy(desc, stream)
-
-
 @pytest.mark.parametrize("mode", ["dma", "kernel"])
 def test_an_error_while_enqueuing_fails_that_batch_only(mode: str) -> None:
     fam, mover, bpc = _simple(6)
     group = fam.layout.groups[0]
     cb = codec.chunk_bytes(group, bpc[0])
     eng = CudaTransferEngine(mover, KvtierConfig(dram_size="1GiB"), mode=mode,
-                             batch_bytes=cb, runtime=_FailingCopy())
+                             batch_bytes=cb, runtime=FailingCopyRuntime(1))
     for i in range(3):
         eng.save(Job(i, "r", [TransferOp(0, i, list(range(i * bpc[0], (i + 1) * bpc[0])))]))
     got = drain(eng, {0, 1, 2})

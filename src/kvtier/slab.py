@@ -9,9 +9,10 @@ allocator (scheduler), and the memory itself (workers).
   shard that every rank reads; others keep one shard per rank, in the same slot numbering.
 - With more than one rank the memory is a named shared-memory segment so that ranks can read
   each other's shards; with one, plain process memory (no /dev/shm needed).
-- With CUDA, memory is registered (pinned) after the device is set, in steps of at most
-  ``pin_step`` bytes that never split a slot; a size the host cannot provide is refused at
-  start-up with the numbers.
+- For a GPU, memory is registered (pinned) after the device is set, through a
+  :class:`Pinner` (for CUDA :class:`kvtier.gpu.pinning.CudaPinner`; this module makes no
+  device call), in steps of at most ``pin_step`` bytes that never split a slot; a size the
+  host cannot provide is refused at start-up with the numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -151,11 +153,36 @@ class SlotAllocator:
         self._free[cls].append(slot)
 
 
+class Pinner(Protocol):
+    """Page-locks host memory for a device's DMA engines (:class:`kvtier.gpu.pinning.
+    CudaPinner` for CUDA)."""
+
+    def register(self, ptr: int, length: int) -> None:
+        """Pin ``length`` bytes at address ``ptr``; raise, with the device's reason, if the
+        host cannot."""
+        ...
+
+    def unregister(self, ptr: int) -> None:
+        """Undo the registration that starts at ``ptr``."""
+        ...
+
+
+def _cuda_pinner() -> Pinner:
+    """The CUDA pinner, for callers that still ask with ``pin=True`` (transitional: the worker
+    is to pass ``pinner=`` itself; then ``pin`` goes and the core names no GPU module)."""
+    from kvtier.gpu.pinning import CudaPinner
+
+    return CudaPinner()
+
+
 class HostSlab:
     """The slab's memory in one process: every shard mapped, this rank's shard writable.
 
     ``shm_name``: name of a shared-memory segment every rank of the engine maps (created by the
     first rank to get there; unlinked by the creator at ``close``). None: private memory.
+    ``pinner``: pins the memory, in :func:`pin_ranges` of at most ``pin_step`` bytes, and
+    unpins it at ``close``; None: not pinned. ``pin=True`` without a pinner means the CUDA
+    pinner.
     """
 
     def __init__(
@@ -164,20 +191,24 @@ class HostSlab:
         shm_name: str | None = None,
         pin: bool = False,
         pin_step: int = 2**30,
+        pinner: Pinner | None = None,
     ) -> None:
         self.layout = layout
         self.shm_name = shm_name
         self._owner = False
         self._mmap: mmap.mmap | None = None
         self._registered: list[int] = []
+        self._pinner: Pinner | None = None
+        if pinner is None and pin:
+            pinner = _cuda_pinner()  # before any memory exists: a refusal leaves nothing behind
         total = layout.total_bytes
         if shm_name is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
             self.buffer = torch.empty(total, dtype=torch.uint8)
         else:
             self.buffer = self._map_shared(shm_name, total)
-        if pin:
-            self._pin(pin_step)
+        if pinner is not None:
+            self._pin(pinner, pin_step)
 
     def _map_shared(self, name: str, size: int) -> torch.Tensor:
         path = os.path.join("/dev/shm", name)
@@ -209,19 +240,19 @@ class HostSlab:
             os.close(fd)
         return torch.frombuffer(self._mmap, dtype=torch.uint8)
 
-    def _pin(self, pin_step: int) -> None:
-        if not torch.cuda.is_available():
-            raise SlabError("pinning asked for, but CUDA is not available")
-        cudart = torch.cuda.cudart()
+    def _pin(self, pinner: Pinner, pin_step: int) -> None:
+        """Register every :func:`pin_ranges` piece; on a refusal undo what was registered."""
+        self._pinner = pinner
         base = self.buffer.data_ptr()
         for start, length in pin_ranges(self.layout, pin_step):
-            err = cudart.cudaHostRegister(base + start, length, 0)
-            if int(err) != 0:
+            try:
+                pinner.register(base + start, length)
+            except Exception as e:
                 self.close()
                 raise SlabError(
                     f"pinning {format_bytes(length)} of host memory at offset {start} failed "
-                    f"(cudaError {int(err)}); lower dram_size"
-                )
+                    f"({e}); lower dram_size"
+                ) from e
             self._registered.append(base + start)
 
     @property
@@ -235,11 +266,11 @@ class HostSlab:
         return self.buffer[off : off + self.layout.classes[cls].slot_bytes]
 
     def close(self) -> None:
-        if self._registered and torch.cuda.is_available():
-            cudart = torch.cuda.cudart()
+        if self._pinner is not None:
             for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
+                self._pinner.unregister(ptr)
         self._registered.clear()
+        self._pinner = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
             # a view may still be alive; then the mapping goes with the process

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,17 +54,16 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.gpu.dma import (
     Descriptors,
-    Driver,
     SegmentTable,
     chunk_descriptors,
     merge_adjacent,
     piece_descriptors,
-    run_on_host,
     split_at,
 )
+from kvtier.gpu.runtime import CudaRuntime, Runtime
 from kvtier.layout import GroupKind
 from kvtier.log import get_logger
-from kvtier.protocol import SKIP, Job, TransferOp
+from kvtier.protocol import SKIP, Job
 from kvtier.transfer import ChunkMover, Completion, TransferEngine
 
 logger = get_logger("gpu.engine")
@@ -78,87 +77,6 @@ the kernel path moved 54 GB/s each way from 8 KiB pieces up."""
 BATCH_BYTES = 64 * 2**20
 STAGE_ALIGN = 256
 META_ENTRIES = 1 << 18
-
-FaultHook = Callable[[str, Job, TransferOp], None]
-
-
-class CudaRuntime:
-    """Streams, events, pinned memory and DMA of one CUDA device."""
-
-    def __init__(self, device: torch.device, dma: Driver | None = None) -> None:
-        self.device = device
-        self.driver = dma or Driver()
-
-    def stream(self, high_priority: bool = False) -> Any:
-        return torch.cuda.Stream(self.device, priority=-1 if high_priority else 0)
-
-    def event(self, timing: bool = False) -> Any:
-        return torch.cuda.Event(enable_timing=timing)
-
-    def current(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
-
-    def copy(self, desc: Descriptors, stream: Any) -> None:
-        self.driver.run(desc, stream.cuda_stream)
-
-    def pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(n, dtype=dtype, pin_memory=True)
-
-
-class _HostEvent:
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-class _HostStream:
-    cuda_stream = 0
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-
-class HostRuntime:
-    """TEST ONLY: the engine on CPU tensors. Every copy and kernel runs at once, in enqueue
-    order (kernels through ``TRITON_INTERPRET=1``), every event is complete: the CI checks the
-    engine's batching, validation, bookkeeping and bytes without a GPU."""
-
-    device = torch.device("cpu")
-
-    def stream(self, high_priority: bool = False) -> Any:
-        return _HostStream()
-
-    def event(self, timing: bool = False) -> Any:
-        return _HostEvent()
-
-    def current(self) -> Any:
-        return _HostStream()
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def copy(self, desc: Descriptors, stream: Any) -> None:
-        run_on_host(desc)
-
-    def pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(n, dtype=dtype)
-
-
-Runtime = CudaRuntime | HostRuntime
 
 
 @dataclass
@@ -272,19 +190,19 @@ class CudaTransferEngine(TransferEngine):
     ``mode``: ``auto`` | ``dma`` | ``kernel`` (``kernel`` falls back to ``dma`` for a group
     whose chunk does not fit a quarter of the staging). ``batch_bytes``: the most bytes one
     batch moves. ``max_programs``/``num_warps``: the gather kernel's grid cap and width.
-    ``runtime``: default a :class:`CudaRuntime` of the cache's device; :class:`HostRuntime`
-    runs the same engine on CPU tensors (tests).
+    ``runtime``: default a :class:`~kvtier.gpu.runtime.CudaRuntime` of the cache's device;
+    tests pass :class:`kvtier.testing.host_runtime.HostRuntime` to run the same engine on CPU
+    tensors.
     """
 
-    def __init__(self, mover: ChunkMover, config: KvtierConfig, fault: FaultHook | None = None,
-                 *, mode: str = "auto", dma_min_piece: int = DMA_MIN_PIECE,
-                 batch_bytes: int = BATCH_BYTES, max_programs: int = 256, num_warps: int = 4,
+    def __init__(self, mover: ChunkMover, config: KvtierConfig, *, mode: str = "auto",
+                 dma_min_piece: int = DMA_MIN_PIECE, batch_bytes: int = BATCH_BYTES,
+                 max_programs: int = 256, num_warps: int = 4,
                  runtime: Runtime | None = None) -> None:
         if mode not in ("auto", "dma", "kernel"):
             raise ValueError(f"unknown transfer mode {mode!r} (auto, dma or kernel)")
         self.mover = mover
         self.config = config
-        self.fault = fault
         self.mode = mode
         self.batch_bytes = batch_bytes
         self.max_programs = max_programs
@@ -315,7 +233,7 @@ class CudaTransferEngine(TransferEngine):
         # where each cudaHostRegister of the slab starts: copies must not straddle two
         self._host_bounds = np.array(sorted(getattr(slab, "registered", ())[1:]),
                                      dtype=np.int64)
-        self._plan = slab.layout
+        self._slab_layout = slab.layout
         self._chunk_bytes = {g.gid: g.chunk_bytes for g in self._groups}
         self._queued: list[Job] = []
         self._queued_bytes = 0
@@ -483,7 +401,7 @@ class CudaTransferEngine(TransferEngine):
         ids: dict[int, list[Sequence[int]]] = {}
         slots: dict[int, list[int]] = {}
         owners: dict[int, list[int]] = {}
-        groups, states, load, fault = self._groups, self._jobs, kind == "load", self.fault
+        groups, states, load = self._groups, self._jobs, kind == "load"
         n_groups = len(groups)
         for job in jobs:
             job_id = job.job_id
@@ -495,8 +413,6 @@ class CudaTransferEngine(TransferEngine):
             ops = job.ops
             try:
                 for op in ops:
-                    if fault is not None:
-                        fault(kind, job, op)
                     gid = op.group
                     if not 0 <= gid < n_groups:
                         raise ValueError(f"no KV-cache group {gid}")
@@ -532,14 +448,18 @@ class CudaTransferEngine(TransferEngine):
                 bad.setdefault(w.owners[i], why)
             work[gid] = w
         if bad:
-            for job_id, why in bad.items():
-                states.pop(job_id, None)
-                self._ready.append(Completion(job_id, kind, False, 0, 0.0, why))
-            for w in work.values():
-                keep = np.array([o not in bad for o in w.owners], dtype=bool)
-                w.ids, w.slots = w.ids[keep], w.slots[keep]
-                w.owners = [o for o in w.owners if o not in bad]
+            self._reject(kind, bad, work)
         return work
+
+    def _reject(self, kind: str, bad: dict[int, str], work: dict[int, _GroupWork]) -> None:
+        """Fail the jobs in ``bad`` (job id -> why) and drop all their ops from ``work``."""
+        for job_id, why in bad.items():
+            self._jobs.pop(job_id, None)
+            self._ready.append(Completion(job_id, kind, False, 0, 0.0, why))
+        for w in work.values():
+            keep = np.array([o not in bad for o in w.owners], dtype=bool)
+            w.ids, w.slots = w.ids[keep], w.slots[keep]
+            w.owners = [o for o in w.owners if o not in bad]
 
     def _check(self, kind: str, g: _Group, w: _GroupWork) -> list[tuple[int, str]]:
         """Indices of bad ops (vectorized): ids out of range, repeated within a chunk, SKIP
@@ -550,7 +470,7 @@ class CudaTransferEngine(TransferEngine):
         if g.bpc > 1:
             srt = np.sort(np.where(skip, -1, ids), axis=1)
             bad |= ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)
-        n_slots = self._plan.classes[g.slot_class].num_slots
+        n_slots = self._slab_layout.classes[g.slot_class].num_slots
         bad |= (slots < 0) | (slots >= n_slots)
         return [(i, f"CodecError: bad chunk for group {g.gid}: block ids "
                     f"{ids[i].tolist()} (distinct, in [0, {g.num_blocks})"
@@ -558,8 +478,8 @@ class CudaTransferEngine(TransferEngine):
                     f"(in [0, {n_slots}))") for i in np.flatnonzero(bad).tolist()]
 
     def _slot_addrs(self, g: _Group, slots: np.ndarray) -> np.ndarray:
-        c = self._plan.classes[g.slot_class]
-        base = self._slab_base + self.mover.shard * self._plan.shard_bytes + c.offset
+        c = self._slab_layout.classes[g.slot_class]
+        base = self._slab_base + self.mover.shard * self._slab_layout.shard_bytes + c.offset
         return (base + slots * c.stride).astype(np.int64)
 
     def _submit(self, kind: str, jobs: list[Job], after: Any) -> None:

@@ -1,0 +1,145 @@
+"""``kvtier bench transfer`` without a GPU: its command line, the caches and jobs it builds,
+how it steps the engine, its targets and table, and a ``--smoke`` run end to end (the engine
+on the test host runtime, kernels through ``TRITON_INTERPRET=1``). The CUDA-only parts
+(ceilings, probes, GEMM, naive path) run on the H200 (``bench/transfer_gpu.sh``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.bench.transfer import cases, report
+from kvtier.bench.transfer.cases import FAMILIES, KIB, MIB, STEP_BYTES
+from kvtier.bench.transfer.gemm import gemm_slowdown
+from kvtier.bench.transfer.timing import steps
+from kvtier.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_command_line_and_its_defaults() -> None:
+    args = build_parser().parse_args(["bench", "transfer", "--smoke", "--families", "mha",
+                                      "--chunks", "256KiB", "--tag", "x"])
+    assert args.bench == "transfer" and args.smoke and args.families == "mha"
+    assert (args.chunks, args.modes, args.gib, args.reps) == ("256KiB", "dma,kernel", 1.0, 5)
+    assert not args.no_gemm and args.dma_min_piece is None and args.out == "bench/results"
+    full = build_parser().parse_args(["bench", "transfer"])
+    assert full.families == ",".join(FAMILIES) and not full.smoke
+
+
+def _bytes_per_block(geo: cases.Geometry) -> int:
+    """Of the first group (the attention layers), scales on the layers included."""
+    layers = set(geo.groups[0][2])
+    total = 0
+    for name, spec in geo.tensors.items():
+        if name in layers:
+            shape, dtype = spec
+            total += math.prod(shape) * getattr(torch, dtype).itemsize
+    for shape, dtype in geo.scales.values():  # k_scale and v_scale
+        total += 2 * math.prod(shape) * getattr(torch, dtype).itemsize
+    return total // geo.num_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk", [256 * KIB, 2 * MIB, 8 * MIB])
+def test_a_chunk_is_about_its_target_and_the_cache_spans_two_sets(family: str,
+                                                                  chunk: int) -> None:
+    span = 1 << 30
+    geo = cases.geometry(family, chunk, span)
+    block = _bytes_per_block(geo)
+    assert block <= chunk  # a block larger than the chunk is sharded (TP heads, PP layers)
+    assert abs(geo.bpc[0] * block - chunk) <= block / 2  # the nearest whole-block chunk
+    if family == "hybrid":  # one block count for both groups, one state object per chunks
+        assert geo.bpc[1] == 1 and geo.state_every * geo.bpc[0] * block >= STEP_BYTES
+    else:  # two disjoint sets of whole chunks covering the span each
+        assert geo.num_blocks * block >= 2 * span and geo.num_blocks % 2 == 1
+
+
+def test_an_unknown_family_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown family"):
+        cases.geometry("gqa", MIB, MIB)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_cell_has_every_chunk_once_per_direction_and_steps_carry_at_most_a_step(
+        family: str) -> None:
+    span = 2 * MIB
+    geo = cases.geometry(family, 32 * KIB, span, smoke=True)
+    host = torch.empty(2 * span + 128 * MIB, dtype=torch.uint8)
+    cell = cases.build_cell(geo, "cpu", host, span, seed=1)
+    n = cell.sizes["chunks"]
+    assert [j.ops[0].slot for j in cell.save_jobs] == list(range(n))
+    assert [j.ops[0].slot for j in cell.both_saves] == list(range(n, 2 * n))
+    assert sorted(op.slot for j in cell.load_jobs for op in j.ops if op.group == 0) == \
+        list(range(n))
+    if family != "hybrid":  # saves read and loads write disjoint blocks
+        read = {b for j in cell.save_jobs for b in j.ops[0].block_ids}
+        written = {b for j in cell.load_jobs for op in j.ops for b in op.block_ids}
+        assert not read & written
+    plan = steps(cell, cell.load_jobs, cell.both_saves)
+    assert [j for ls, _ in plan for j in ls] == cell.load_jobs
+    assert [j for _, ss in plan for j in ss] == cell.both_saves
+    for ls, ss in plan:
+        for jobs in (ls, ss):
+            nbytes = sum(cell.chunk_bytes[op.group] for j in jobs for op in j.ops)
+            assert nbytes <= STEP_BYTES or len(jobs) == 1
+
+
+def _cell(family: str, chunk: int, save: float, load: float, gemm_slow: float) -> dict[str, Any]:
+    m = {"paths": ["kernel"], "save": {"gbps": save}, "load": {"gbps": load},
+         "both": {"gbps": save + load}}
+    for k in ("save", "load", "both"):
+        m["gemm_" + k] = {"gbps": m[k]["gbps"], "slowdown": gemm_slow}
+    return {"family": family, "chunk_target": chunk, "chunk_bytes": chunk, "blocks_per_chunk": 1,
+            "min_piece": 8192, "max_piece": 8192, "modes": {"kernel": m}, "auto": "kernel"}
+
+
+def test_targets_name_each_miss_and_the_table_marks_the_auto_path() -> None:
+    ceiling = {k: {"gbps": g, "design": g, "within_5pct_of_design": True}
+               for k, g in (("d2h", 50.0), ("h2d", 50.0), ("both", 100.0))}
+    result = {"meta": {}, "ceiling": ceiling,
+              "cells": [_cell("mha", 2 * MIB, 48.0, 47.0, 0.01),
+                        _cell("indexer", 2 * MIB, 30.0, 47.0, 0.2),
+                        _cell("mha", 256 * KIB, 40.0, 40.0, 0.01)]}
+    got = {t["name"]: t for t in report.targets(result)}
+    assert got["2MiB"]["misses"] == ["indexer 2048KiB save 30.0 < 45.0"]
+    assert got["256KiB"]["met"] and not got["both"]["met"] and not got["gemm"]["met"]
+    assert "indexer 2048KiB save GEMM slowed 20.0%" in got["gemm"]["misses"]
+    result["targets"] = list(got.values())
+    text = report.table(result)
+    assert "| mha | 2048 KiB x1 | 8192..8192 | kernel* | 48.0 | 47.0 | 95.0 |" in text
+    assert "| d2h | 50.0 | 50.0 | yes |" in text and "| not met |" in text
+
+
+def test_gemm_slowdown_compares_the_window_with_the_gemms_alone() -> None:
+    s = gemm_slowdown([1.1, 1.1], [1.0, 1.0, 1.0], 2.2, 0.5)
+    assert s["slowdown"] == pytest.approx(0.1) and s["window_covered"] == pytest.approx(1.0)
+    assert gemm_slowdown([1.0], [], 2.0, 0.5)["slowdown"] == pytest.approx(1.0)
+
+
+def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
+                           "--families", "mha,hybrid", "--chunks", "256KiB", "--out",
+                           str(tmp_path), "--tag", "t"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (js,) = tmp_path.glob("transfer-*-cpu-smoke-t.json")
+    result = json.loads(js.read_text())
+    assert [c["family"] for c in result["cells"]] == ["mha", "hybrid"]
+    for c in result["cells"]:
+        assert "errors" not in c and set(c["modes"]) == {"dma", "kernel"}
+        for m in c["modes"].values():
+            assert m["save"]["bytes"] > 0 and m["load"]["bytes"] > 0 and m["both"]["bytes"] > 0
+    md = js.with_suffix(".md").read_text()
+    assert "| mha | 8 KiB x1 | 8192..8192 | kernel* |" in md and "| hybrid |" in md
+    assert js.with_suffix(".png").stat().st_size > 0
