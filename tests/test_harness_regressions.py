@@ -121,7 +121,7 @@ def test_priority_scheduler_on_vllm025_never_leaves_a_parked_load_behind_a_block
     vLLM whose scheduler does not drain block-holding requests first."""
     if not (VLLM025 / "vllm" / "__init__.py").exists():
         pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    env = dict(os.environ, PYTHONPATH=f"{VLLM025}{os.pathsep}{ROOT / 'tests'}",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (VLLM025, ROOT / "tests", ROOT / "src"))),
                VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run(
         [sys.executable, "-m", "harness.run", "--case", "priority_parked", "--revert",
