@@ -65,14 +65,27 @@ def test_bad_settings_are_start_up_errors_naming_the_fix() -> None:
         _connector(extra={"dram_size": "64"})
 
 
+QUIET_DEFAULT_HOOKS = (
+    "bind_connector_metadata", "build_connector_worker_meta", "get_block_ids_with_load_errors",
+    "get_finished", "get_kv_connector_stats", "get_loaded_kv_cache_group_ids",
+    "get_transfer_results", "handle_preemptions", "has_pending_push_work", "on_new_request",
+    "register_kv_caches", "request_finished", "reset_cache", "shutdown",
+    "update_connector_output",
+)
+
+
 def test_what_it_declares_to_vllm() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
     c = _connector()
     assert isinstance(c, SupportsHMA)
     assert c.requires_kv_delivery is False
     assert type(c).get_required_kvcache_layout(None) is None  # any layout
-    assert c.get_num_new_matched_tokens.__func__  # defined here, not the base's
+    # the hooks whose base versions are silent defaults (no fence, no failed blocks, nothing
+    # finished, no stats, ...): inheriting one would drop that part of the protocol quietly
+    inherited = [n for n in QUIET_DEFAULT_HOOKS
+                 if getattr(type(c), n) is getattr(KVConnectorBase_V1, n)]
+    assert not inherited, f"kvtier inherits vLLM's default of {inherited}"
     # until the workers' layout handshake, lookups ask again and the engine keeps stepping
     class _Req:
         request_id = "r1"

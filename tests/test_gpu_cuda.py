@@ -31,6 +31,30 @@ BY_NAME = {r["name"]: r for r in RECIPES}
 SPIN = 50_000_000  # cycles of torch.cuda._sleep: some 25 ms, far longer than the copies
 
 
+def assert_compiled_kernel() -> None:
+    """The kernel path of these tests is Triton's compiled kernel: with TRITON_INTERPRET=1
+    anywhere in this process before kvtier.gpu.kernels was imported, Triton's interpreter
+    would run it instead, and these tests would check that on the GPU without saying so."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kvtier.gpu import kernels
+
+    assert not isinstance(kernels._move_kernel, InterpretedFunction), (
+        "kvtier.gpu.kernels is interpreted in this CUDA test process (TRITON_INTERPRET=1 "
+        "leaked into it); interpreted-kernel tests belong in tests/test_gpu_interpreted.py")
+    assert isinstance(kernels._move_kernel, triton.runtime.jit.JITFunction)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernel() -> None:
+    assert_compiled_kernel()
+
+
+def test_the_triton_kernel_is_compiled_not_interpreted() -> None:
+    assert_compiled_kernel()
+
+
 def test_batched_dma_is_available() -> None:
     from kvtier.gpu.dma import Driver
 

@@ -3,13 +3,17 @@ descriptors (run with memmove) and the whole :class:`CudaTransferEngine` on
 :class:`HostRuntime`, bit-exact against the reference codec on every layout family of
 DESIGN.md §2.2 (``tests/_families.py``), with every byte outside the listed blocks poisoned
 and checked.
+
+Runs in its own process with ``TRITON_INTERPRET=1`` and no CUDA device visible
+(``tests/test_gpu_interpreted.py`` starts it; tests/conftest.py leaves this file out of any
+run without the variable): the variable decides, at import, whether Triton compiles or
+interprets the kernel, so setting it here would hand the interpreted kernel to every CUDA test
+of the same run.
+
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python -m pytest tests/test_gpu_kernels.py
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random
 from collections.abc import Callable
@@ -18,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 from _families import (
     Family,
@@ -51,9 +56,9 @@ from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.testing.host_runtime import FailingCopyRuntime, HostRuntime
 from kvtier.transfer import ChunkMover
 
-if not isinstance(kernels._move_kernel, kernels.triton.runtime.interpreter.InterpretedFunction):
-    pytest.skip("kvtier.gpu.kernels was imported without TRITON_INTERPRET=1 in this session",
-                allow_module_level=True)
+if not isinstance(kernels._move_kernel, InterpretedFunction):
+    pytest.fail("kvtier.gpu.kernels was imported without TRITON_INTERPRET=1 in this process; "
+                "run this file through tests/test_gpu_interpreted.py", pytrace=False)
 
 RECIPES = stored_recipes()
 NAMES = [r["name"] for r in RECIPES]

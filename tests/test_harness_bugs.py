@@ -48,7 +48,8 @@ def test_planted_bug_is_caught(name: str) -> None:
 
 @pytest.mark.vllm025
 def test_planted_bugs_are_caught_on_vllm025() -> None:
-    """The same six bugs against vLLM 0.25.1's scheduler (failures reported per block there)."""
+    """The same six bugs against vLLM 0.25.1's scheduler (failures reported per block there),
+    each catching scenario replayed without its bug, as on 0.32."""
     if not (VLLM025 / "vllm" / "__init__.py").exists():
         pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
     # this checkout's kvtier first, not the one the venv's editable install points at
@@ -63,4 +64,8 @@ def test_planted_bugs_are_caught_on_vllm025() -> None:
     out = json.loads(lines[-1])
     assert out["version"].startswith("0.25")
     missed = {k: v for k, v in out["planted"].items() if not v["caught"]}
-    assert not missed, missed
+    unclean = {k: v["clean"] for k, v in out["planted"].items() if v["caught"]
+               and v["clean"] != "ok"}
+    assert not missed and not unclean, (
+        f"went unnoticed: {missed}\nthe scenarios that caught these fail without the bug "
+        f"too (the finding is the scenario's, not the bug's): {unclean}")

@@ -3,7 +3,9 @@ subprocess with the unpacked 0.25.1 wheel first on ``PYTHONPATH``, started first
 run at once on two cores), spread over Scheduler/AsyncScheduler and world sizes 1 and 2.
 
 Every scenario must pass the oracle (tests/harness/oracle.py) and meet the CI minimums: at
-least 50 engine steps, 8 requests and one injected fault. The summary of both runs goes to
+least 50 engine steps, 8 requests and one injected fault; every run must reach minimum counts
+of hits, loads ok (kvtier's and the oracle's own count of reported loads), fences, and failed
+loads where load failures were drawn. The summary of both runs goes to
 ``.cache/harness-report.json``.
 
 Long runs: ``KVTIER_SOAK=1 python -m pytest -m soak tests/test_harness_scenarios.py``
@@ -85,6 +87,26 @@ def _check(summary: dict[str, Any], n: int) -> None:
     combos = summary["combos"]
     assert len(combos) == len(COMBOS) and min(combos.values()) >= n // len(COMBOS)
     assert summary["faults"], "no fault was injected"
+    _check_activity(summary, n)
+
+
+LOAD_FAULTS = ("load_fail", "load_partial", "lone_fail_rank")
+
+
+def _check_activity(summary: dict[str, Any], n: int) -> None:
+    """The run exercised what the oracle watches: a run in which kvtier declines every hit,
+    or no load ever fails, passes every oracle check vacuously. Minimums are per run of
+    ``n`` scenarios, well below what a healthy run does (per scenario: on vLLM 0.32 about 1.6
+    hits, 1.3 loads ok, 1 fence; on 0.25.1, 0.65, 0.5 and 1; about 9 in 10 drawn load
+    failures fail a load)."""
+    counts, faults = summary["counts"], summary["faults"]
+    got = {k: counts.get(k, 0) for k in ("hits", "loads_ok", "loads_reported", "fences")}
+    want = {"hits": n // 4, "loads_ok": n // 4, "loads_reported": n // 4, "fences": n // 4}
+    low = {k: f"{got[k]} < {want[k]}" for k in want if got[k] < want[k]}
+    drawn = sum(faults.get(k, 0) for k in LOAD_FAULTS)
+    if drawn and counts.get("loads_failed", 0) < max(1, drawn // 4):
+        low["loads_failed"] = f"{counts.get('loads_failed', 0)} with {drawn} failures drawn"
+    assert not low, f"vLLM {summary['version']}: too little happened in {n} scenarios: {low}"
 
 
 def test_default_run_vllm032(run_025: subprocess.Popen[str] | None) -> None:

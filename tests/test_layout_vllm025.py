@@ -269,40 +269,31 @@ def test_mamba_state_list_beside_attention() -> None:
     check_group(lay.group(1), [lambda b: attn_kv[b]], count=4, seed=1)
 
 
-def test_table_matches_the_wheel() -> None:
-    """Recompute a few records with vLLM 0.25.1 itself (a subprocess with the unpacked wheel
-    first on sys.path) and compare with the committed table."""
-    picks = [_rec(b, num_kv_heads=2, cache_dtype_str="auto") for b in
-             ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN")]
-    picks.append(_rec("CPU_ATTN", num_kv_heads=8, cache_dtype_str="auto"))
-    script = r"""
-import importlib, json, sys
-out = []
-for mod, cls, p in json.loads(sys.argv[1]):
-    B = getattr(importlib.import_module(mod), cls)
-    import vllm.v1.attention.backends.utils as u
-    u._KV_CACHE_LAYOUT_OVERRIDE = p.get("kv_cache_layout")
-    shape = B.get_kv_cache_shape(p["num_blocks"], p["block_size"], p["num_kv_heads"],
-                                 p["head_size"], cache_dtype_str=p["cache_dtype_str"])
-    try:
-        order = list(B.get_kv_cache_stride_order())
-    except (AttributeError, NotImplementedError):
-        order = None
-    out.append([list(shape), order])
-print(json.dumps(out))
-"""
-    classes = {b["backend"]: (b["module"], b["class"]) for b in TABLE["backends"]}
-    arg = json.dumps([[*classes[r["backend"]], r["params"]] for r in picks])
-    # this checkout's kvtier first, not the one the venv's editable install points at
-    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src")))
-    env = dict(os.environ, PYTHONPATH=path)
-    res = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=300)
+def test_table_matches_the_wheel(tmp_path: Path) -> None:
+    """Re-derive the whole table from vLLM 0.25.1 itself: tools/gen_vllm025_layouts.py run on
+    the unpacked wheel (a subprocess, the wheel first on sys.path) must reproduce every
+    backend entry and every record (shape, stride order, file and line of each method), up
+    to the place the wheel was unpacked at."""
+    out = tmp_path / "layouts.json"
+    env = dict(os.environ, PYTHONPATH=str(VLLM025))
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_vllm025_layouts.py"),
+                          str(VLLM025), "-o", str(out)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    for rec, (shape, order) in zip(picks, got):
-        assert shape == rec["shape"], where(rec)
-        assert order == rec["stride_order"], where(rec)
+    fresh = json.loads(out.read_text())
+    assert fresh["vllm_version"] == TABLE["vllm_version"] == "0.25.1"
+
+    def unplaced(table: dict[str, Any], key: str) -> list[Any]:
+        where_unpacked = str(Path(table["vllm_package_dir"]).parent)
+        return json.loads(json.dumps(table[key]).replace(where_unpacked, "<wheel>"))
+
+    for key in ("backends", "records"):
+        want, got = unplaced(TABLE, key), unplaced(fresh, key)
+        assert len(got) == len(want), f"{key}: {len(got)} re-derived, {len(want)} committed"
+        for w, g in zip(want, got):
+            assert g == w, (f"{key}: {where(w) if key == 'records' and w.get('shape') else w}"
+                            f"\n committed {w}\n re-derived {g}")
+    assert len([r for r in fresh["records"] if r.get("shape")]) == len(RECORDS) == 258
 
 
 def test_tiny_block_counts_take_the_block_axis_from_the_backend() -> None:

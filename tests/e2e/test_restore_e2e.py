@@ -59,7 +59,10 @@ def test_negative_control_a_skipped_chunk_copy_fails_the_check(engine: Any) -> N
     (p,) = res.prompts
     assert res.restored_tokens == res.expected_restored  # the load "succeeded"...
     assert not p.checksums_equal  # ...but the blocks hold the fill pattern (b)
-    assert not (p.tokens_equal and p.logprobs_equal)  # and the output changed (c)
+    # and the output changed (c), seen by each comparison on its own: either one replaced
+    # by a comparison that cannot fail would leave the check blind to a wrong KV block
+    assert not p.tokens_equal, (p.tokens_b, p.tokens_c)
+    assert not p.logprobs_equal
 
 
 def test_injected_load_failure_recomputes_and_is_not_offered_again(engine: Any) -> None:

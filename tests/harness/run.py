@@ -1,7 +1,7 @@
 """Batches of scenarios, and the command line (also how the 0.25.1 run gets its own process).
 
     cd tests && python -m harness.run --scenarios 400 --seed 0 [--bug NAME] [--json FILE]
-    cd tests && PYTHONPATH=../.cache/vllm-0.25.1:. python -m harness.run --scenarios 400
+    cd tests && PYTHONPATH=../.cache/vllm-0.25.1:.:../src python -m harness.run --scenarios 400
 
 Scenarios are spread round-robin over (Scheduler, AsyncScheduler) x (world size 1, 2); the
 seed of scenario ``i`` is ``seed + i // 4``.
@@ -94,16 +94,24 @@ def run_batch(items: Iterator[Scenario], bug: Bug | None = None,
 
 def catch_planted(seed: int = 1000, max_scenarios: int = 120) -> dict[str, dict[str, Any]]:
     """Each planted bug, alone, over scenarios with the faults that expose it, until the
-    oracle reports a finding the bug must cause."""
+    oracle reports a finding the bug must cause; then the scenario that caught it again,
+    without the bug (``clean``: "ok", or the finding it makes anyway: then the finding was
+    the scenario's, not the bug's)."""
     out: dict[str, dict[str, Any]] = {}
     for name, bug in PLANTED.items():
         batch = run_batch(scenarios(max_scenarios, seed, set(bug.fault_kinds), bug.world_size),
                           bug, stop_when=bug.detected_by)
         hits = [v for v in batch.violations if v["kind"] in bug.detected_by]
+        clean = None
+        if hits:
+            h = hits[0]
+            r = run_scenario(make_scenario(h["seed"], h["async"], h["ws"], set(bug.fault_kinds)))
+            clean = "ok" if r.violation is None else f"{r.violation.kind}: {r.violation.detail[:300]}"
         out[name] = {"caught": hits[0]["kind"] if hits else None,
                      "detail": hits[0]["detail"][:300] if hits else "",
                      "scenario": hits[0] if hits else None, "scenarios": batch.scenarios,
-                     "other": [v["kind"] for v in batch.violations if v not in hits]}
+                     "other": [v["kind"] for v in batch.violations if v not in hits],
+                     "clean": clean}
     return out
 
 
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for name, c in caught.items():
                 print(f"{name}: {c}")
-        return 0 if all(c["caught"] for c in caught.values()) else 1
+        return 0 if all(c["caught"] and c["clean"] == "ok" for c in caught.values()) else 1
     bug = PLANTED[args.bug] if args.bug else None
     if args.one:
         seed, async_sched, ws = (int(x) for x in args.one.split(","))

@@ -161,8 +161,25 @@ def _same_rank(a: list[dict[int, str]], b: list[dict[int, str]]) -> bool:
 
 
 def _logprobs(out: Any) -> list[list[tuple[int, float, int | None]]]:
-    steps = out.outputs[0].logprobs or []
+    """Per generated token, the sorted (token, logprob, rank) of its top-k. Raises if the
+    output has no logprobs for some token: a check without them would compare nothing."""
+    comp = out.outputs[0]
+    steps = comp.logprobs
+    if steps is None or len(steps) != len(comp.token_ids):
+        raise ValueError("the restore check needs top-k logprobs for every generated token "
+                         "(SamplingParams(logprobs=k))")
     return [sorted((tok, lp.logprob, lp.rank) for tok, lp in step.items()) for step in steps]
+
+
+def same_tokens(b: Any, c: Any) -> bool:
+    """Two ``RequestOutput``s generated the same tokens (their first completions)."""
+    return list(b.outputs[0].token_ids) == list(c.outputs[0].token_ids)
+
+
+def same_logprobs(b: Any, c: Any) -> bool:
+    """Two ``RequestOutput``s have bit-equal top-k logprobs (token, float value and rank) at
+    every generated position, whatever their tokens."""
+    return _logprobs(b) == _logprobs(c)
 
 
 def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> RestoreResult:
@@ -184,8 +201,8 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> Re
         results.append(PromptResult(
             prompt_len=len(p), expected_restored=(len(p) - 1) // c * c,
             checksums_equal=_same_blocks(a, b),
-            tokens_equal=list(ob.outputs[0].token_ids) == list(oc.outputs[0].token_ids),
-            logprobs_equal=_logprobs(ob) == _logprobs(oc),
+            tokens_equal=same_tokens(ob, oc),
+            logprobs_equal=same_logprobs(ob, oc),
             tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
         ))
     del outs_a

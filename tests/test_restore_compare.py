@@ -1,0 +1,101 @@
+"""The restore check's output comparisons (kvtier.testing.restore.same_tokens / same_logprobs)
+on vLLM's own output types, built the way the engine builds them (list and flat logprobs):
+each comparison must see a difference in its half alone, whatever the other half says."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+from vllm.outputs import CompletionOutput, RequestOutput
+
+from kvtier.testing.restore import same_logprobs, same_tokens
+
+# per generated position: (sampled token, its rank, top-k token ids, their logprobs)
+Step = tuple[int, int, list[int], list[float]]
+BASE: list[Step] = [
+    (11, 1, [11, 7, 3], [-0.25, -1.5, -2.75]),
+    (7, 1, [7, 12, 5], [-0.125, -2.0, -3.0]),
+    (40, 2, [9, 40, 2], [-0.5, -0.75, -4.0]),
+]
+
+
+def output(steps: list[Step], flat: bool, tokens: list[int] | None = None) -> Any:
+    """A RequestOutput with one completion whose logprobs vLLM's own helper appended."""
+    lps = create_sample_logprobs(flat_logprobs=flat)
+    for tok, rank, ids, vals in steps:
+        append_logprobs_for_next_position(lps, [tok, *ids], [vals[ids.index(tok)], *vals],
+                                          [None] * (len(ids) + 1), rank, len(ids))
+    toks = tokens if tokens is not None else [s[0] for s in steps]
+    comp = CompletionOutput(index=0, text="", token_ids=toks, cumulative_logprob=None,
+                            logprobs=lps)
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2, 3],
+                         prompt_logprobs=None, outputs=[comp], finished=True)
+
+
+def with_step(i: int, step: Step) -> list[Step]:
+    out = list(BASE)
+    out[i] = step
+    return out
+
+
+FLAT = pytest.mark.parametrize("flat", [False, True], ids=["list", "flat"])
+
+
+@FLAT
+def test_identical_outputs_compare_equal(flat: bool) -> None:
+    a, b = output(BASE, flat), output(BASE, flat)
+    assert same_tokens(a, b) and same_logprobs(a, b)
+
+
+@FLAT
+def test_a_one_ulp_logprob_difference_with_equal_tokens_is_seen(flat: bool) -> None:
+    tok, rank, ids, vals = BASE[1]
+    nudged = [vals[0], math.nextafter(vals[1], 0.0), vals[2]]  # an alternative's value only
+    a, b = output(BASE, flat), output(with_step(1, (tok, rank, ids, nudged)), flat)
+    assert same_tokens(a, b)
+    assert not same_logprobs(a, b)
+
+
+@FLAT
+def test_a_different_alternative_in_the_top_k_is_seen(flat: bool) -> None:
+    tok, rank, ids, vals = BASE[2]
+    other = [*ids[:2], 6]  # the last alternative replaced, every value as it was
+    a, b = output(BASE, flat), output(with_step(2, (tok, rank, other, vals)), flat)
+    assert same_tokens(a, b)
+    assert not same_logprobs(a, b)
+
+
+@FLAT
+def test_swapped_ranks_of_two_alternatives_are_seen(flat: bool) -> None:
+    tok, rank, ids, vals = BASE[0]
+    swapped = (tok, rank, [ids[0], ids[2], ids[1]], [vals[0], vals[2], vals[1]])
+    a, b = output(BASE, flat), output(with_step(0, swapped), flat)  # same token -> value
+    assert same_tokens(a, b)
+    assert not same_logprobs(a, b)
+
+
+@FLAT
+def test_different_tokens_with_equal_logprobs_are_seen(flat: bool) -> None:
+    a = output(BASE, flat)
+    b = output(BASE, flat, tokens=[11, 7, 9])  # the logprobs as in a, the last token not
+    assert same_logprobs(a, b)
+    assert not same_tokens(a, b)
+    assert not same_tokens(a, output(BASE[:2], flat))  # a shorter output differs too
+
+
+def test_outputs_without_logprobs_are_refused_not_passed() -> None:
+    """Without top-k logprobs the logprob half would compare two empty lists."""
+    a = output(BASE, False)
+    bare = output(BASE, False)
+    bare.outputs[0].logprobs = None
+    with pytest.raises(ValueError, match="logprobs"):
+        same_logprobs(a, bare)
+    short = output(BASE[:2], False, tokens=[s[0] for s in BASE])  # a position without them
+    with pytest.raises(ValueError, match="logprobs"):
+        same_logprobs(a, short)
