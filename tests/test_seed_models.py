@@ -110,7 +110,28 @@ def test_minimax_m3_has_dense_and_sparse_layers_and_fp8(tmp_path: pathlib.Path) 
     assert (sparse["sparse_index_dim"], sparse["sparse_block_size"],
             sparse["sparse_topk_blocks"]) == (128, 128, 16)
     assert (text.num_key_value_heads, text.head_dim) == (4, 128)
-    assert SEED_MODELS["minimax_m3"].engine_args["kv_cache_dtype"] == "fp8"
+    args = SEED_MODELS["minimax_m3"].engine_args
+    # fp8 dense and sparse K/V; bf16 index keys, the only ones 0.25.1's Triton indexer (the
+    # Hopper one) takes (the fp8 index cache needs SM100's MSA impl)
+    assert args["kv_cache_dtype"] == "fp8"
+    assert args["attention_config"] == {"indexer_kv_dtype": "bf16"}
+
+
+def test_qwen3_next_uses_the_triton_gdn_prefill_the_kit_has() -> None:
+    assert SEED_MODELS["qwen3_next"].engine_args == {"gdn_prefill_backend": "triton"}
+
+
+def _engine_args_fields() -> set[str]:
+    tree = ast.parse((VLLM025 / "engine" / "arg_utils.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs")
+    return {n.target.id for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+@pytest.mark.skipif(not VLLM025.is_dir(), reason="vLLM 0.25.1 sources not unpacked in .cache")
+@pytest.mark.parametrize("name", sorted(SEED_MODELS))
+def test_every_engine_arg_is_a_vllm025_engine_arg(name: str) -> None:
+    assert set(SEED_MODELS[name].engine_args) <= _engine_args_fields()
 
 
 def test_mtp_seed_has_one_draft_layer_and_three_speculative_tokens(

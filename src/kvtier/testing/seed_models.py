@@ -9,7 +9,9 @@ config.json each number comes from. Checked against 0.25.1's model code (every `
 model reads is present: tests/test_seed_models.py) and parsed with vLLM 0.32's config classes.
 
 ``SEED_MODELS`` adds the engine arguments a seed needs beyond vLLM's defaults (fp8 KV where the
-seed ran fp8, speculative decoding for MTP), so a tool can start each one the way it ran.
+seed ran fp8, speculative decoding for MTP, a kernel choice where the gpu-kit lacks vLLM's
+default kernel), so a tool can start each one the way it ran; a docstring says where a run
+on the H200 differs from the seed.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def qwen3_next(path: str, layers: int = 4, max_len: int = 8192) -> str:
     moe_intermediate_size 512, shared_expert_intermediate_size 512, decoder_sparse_step 1.
     Reduced: 48 -> ``layers`` layers (default 4: one period, three delta-net layers and one
     full-attention layer), 512 -> 8 experts (10 -> 2 per token), vocab 151936 -> 4096.
+
+    Started with ``gdn_prefill_backend="triton"`` (``SEED_MODELS``): on SM90 0.25.1's "auto"
+    picks FlashInfer's GDN prefill (``qwen_gdn_linear_attn.py:_resolve_gdn_prefill_backend``),
+    which the gpu-kit lacks; "triton" selects FLA's Triton ``chunk_gated_delta_rule``. The
+    kernel choice leaves the cache geometry (conv and SSM state shapes) as it is.
     """
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
              for i in range(layers)]
@@ -147,6 +154,13 @@ def glm_moe_dsa(path: str, layers: int = 2, max_len: int = 8192) -> str:
     first_k_dense_replace 3 -> 1, 256 -> 8 experts (8 -> 2 per token), vocab 154880 -> 4096,
     num_nextn_predict_layers 1 -> 0 (MTP is covered by ``deepseek_v3_mtp``). The seeds ran
     ``--kv-cache-dtype fp8`` (the 656-byte ``fp8_ds_mla`` rows, FLASHMLA_SPARSE).
+
+    On pristine 0.25.1 every DSA model with fp8 KV fails at start-up, whatever its config:
+    FLASHMLA_SPARSE rewrites the cache dtype to ``fp8_ds_mla`` (656 B/token), but
+    ``MLAAttention.get_kv_cache_spec`` leaves ``kv_quant_mode`` NONE, so the runner reshapes
+    the pages with ``cache_dtype_str="auto"`` as 576 elements (``gpu_model_runner.py:7192``;
+    vllm-project/vllm#48378, fixed by #48379 after 0.25.1). tools/gpu_bare_run.py applies
+    #48379's fix on 0.25.x and records it.
     """
     return _write(path, {
         **_common("GlmMoeDsaForCausalLM", "glm_moe_dsa", max_len),
@@ -177,6 +191,13 @@ def minimax_m3(path: str, max_len: int = 8192) -> str:
     config class for a bare ``minimax_m3_text``), without vision. Reduced: 60 -> 4 layers
     (real: layers 0-2 dense attention + dense MLP, 3-59 sparse attention + MoE; here layer 0
     dense, 1-3 sparse), 128 -> 8 experts, vocab 200064 -> 4096, no MTP module.
+
+    Differs from the seed on Hopper: the index-key cache is bf16, (nb, bs, 128) at 256 B per
+    token per sparse layer instead of the seed's fp8 128 B. 0.25.1 has two indexer impls
+    (``models/minimax_m3/common/indexer.py:select_indexer_impl_cls``): MSA (fmha_sm100 score +
+    Triton top-k, bf16 or fp8 index cache) only on SM100 with top-k blocks in 4/8/16/32, and
+    Triton (bf16 only) everywhere else. The dense and sparse K/V stay fp8 (per-tensor scales):
+    the Triton main impl, the one on Hopper, dequantizes fp8 K/V itself.
     """
     pattern = [0, 1, 1, 1]
     text = {
@@ -234,15 +255,18 @@ class SeedModel:
 
 SEED_MODELS: dict[str, SeedModel] = {m.name: m for m in (
     SeedModel("kimi_linear", "KimiLinearForCausalLM", kimi_linear),
-    SeedModel("qwen3_next", "Qwen3NextForCausalLM", qwen3_next),
+    SeedModel("qwen3_next", "Qwen3NextForCausalLM", qwen3_next,
+              engine_args={"gdn_prefill_backend": "triton"}),
     SeedModel("deepseek_v32", "DeepseekV32ForCausalLM", deepseek_v32,
               needs="DeepGEMM with its JIT headers and a CUDA compiler (DSA indexer)"),
     SeedModel("glm_moe_dsa", "GlmMoeDsaForCausalLM", glm_moe_dsa,
               engine_args={"kv_cache_dtype": "fp8"},
-              needs="DeepGEMM (DSA indexer); transformers with GlmMoeDsaConfig"),
+              needs="DeepGEMM with its JIT headers and a CUDA compiler (DSA indexer); "
+                    "transformers with GlmMoeDsaConfig; on 0.25.1 the fp8_ds_mla spec fix "
+                    "(vllm-project/vllm#48379)"),
     SeedModel("minimax_m3", "MiniMaxM3SparseForCausalLM", minimax_m3,
               engine_args={"kv_cache_dtype": "fp8",
-                           "attention_config": {"indexer_kv_dtype": "fp8"}}),
+                           "attention_config": {"indexer_kv_dtype": "bf16"}}),
     SeedModel("deepseek_v3_mtp", "DeepseekV3ForCausalLM", deepseek_v3_mtp,
               engine_args={"speculative_config": {"method": "mtp",
                                                   "num_speculative_tokens": 3}}),
