@@ -9,8 +9,11 @@ set -o pipefail
 OUT=${OUT:-/tmp/kvtier-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+# the gpu-kit, when installed into /tmp/site, already holds these
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 {
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current,temperature.gpu,power.draw --format=csv
