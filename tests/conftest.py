@@ -8,7 +8,9 @@ profile ``soak`` draws fresh examples each time.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,24 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.name in INTERPRETED_FILES and not interpreted_process():
         return True
     return None
+
+
+@pytest.fixture
+def kvtier_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """``caplog`` for kvtier's loggers (``vllm.kvtier.*``) at WARNING and above. Its handler is
+    attached to ``vllm.kvtier`` itself: once vLLM configured logging, records under ``vllm``
+    do not propagate to the root logger where caplog listens, and another test module may
+    have raised the level through VLLM_LOGGING_LEVEL."""
+    from kvtier.log import ROOT_LOGGER
+
+    logger = logging.getLogger(ROOT_LOGGER)
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False  # caplog's handler also sits on the root logger: once, not twice
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
