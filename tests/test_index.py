@@ -30,15 +30,14 @@ def key(path: tuple[int, ...]) -> bytes:
     return hashlib.blake2b(repr(path).encode(), digest_size=16).digest()
 
 
-def make_index(policy: str = "lru", kv_slots: int = 6, state_slots: int = 3) -> MemoryIndex:
+def make_index(policy: str = "lru", kv_slots: int = 6, state_slots: int = 3,
+               state_groups: int = 1) -> MemoryIndex:
+    """Group 0: full attention (slot class 0); groups 1..state_groups: recurrent state, all
+    in slot class 1, as the scheduler lays out a hybrid model."""
     alloc = SlotAllocator([kv_slots, state_slots])
-    return MemoryIndex(
-        [
-            GroupIndexSpec(0, make_policy(policy, kv_slots), chained=True, coupled_state=1),
-            GroupIndexSpec(1, make_policy(policy, state_slots), chained=False),
-        ],
-        alloc,
-    )
+    states = [GroupIndexSpec(1, make_policy(policy, state_slots), chained=False,
+                             boundary_state=True) for _ in range(state_groups)]
+    return MemoryIndex([GroupIndexSpec(0, make_policy(policy, kv_slots)), *states], alloc)
 
 
 def store_chain(idx: MemoryIndex, paths: list[tuple[int, ...]]) -> list[Entry]:
@@ -147,6 +146,147 @@ def test_recurrent_state_leaves_with_its_boundary_chunk() -> None:
     idx.check_invariants()
 
 
+STATES = (1, 2, 3)  # a 4-layer Qwen3-Next on vLLM 0.32: three state groups, one attention
+
+
+def save_boundary(idx: MemoryIndex, path: tuple[int, ...], with_state: bool = True,
+                  commit: bool = True) -> list[Entry] | SaveDrop:
+    """Save one chunk as the scheduler does: one job, its state objects first (vLLM lists the
+    state groups first), then the chunk; a refusal aborts what the job reserved."""
+    k = key(path)
+    parent = key(path[:-1]) if len(path) > 1 else None
+    groups = [g for g in (*STATES, 0) if (with_state or g == 0) and idx.get(g, k) is None]
+    job: list[Entry] = []
+    for g in groups:
+        e = idx.reserve(g, k, parent if g == 0 else None)
+        if not isinstance(e, Entry):
+            for done in job:
+                idx.abort(done)
+            return e
+        job.append(e)
+    if commit:
+        for e in job:
+            idx.commit(e)
+    return job
+
+
+def assert_boundaries_whole(idx: MemoryIndex) -> None:
+    """Every stored state object has its chunk and all its siblings; every stored chunk has
+    all of its boundary's states or none."""
+    chunks = set(idx._entries[0])
+    per_group = [set(idx._entries[g]) for g in STATES]
+    with_state = set().union(*per_group)
+    assert with_state <= chunks, f"{len(with_state - chunks)} state objects without their chunk"
+    for keys in per_group:
+        assert keys == with_state, "a boundary is missing some of its state objects"
+
+
+def test_a_store_past_capacity_keeps_every_boundary_whole() -> None:
+    """Issue 12 item 3. Three state groups in one slot class (7 slots: two whole sets and one
+    spare) and four attention slots: chunk evictions and state-class pressure both happen.
+    Before the fix only the first state group left with its chunk: orphans and incomplete
+    boundaries from the fifth save on."""
+    idx = make_index(kv_slots=4, state_slots=7, state_groups=3)
+    stored_sets = 0
+    for root in range(6):
+        for path in [(root,), (root, 1), (root, 1, 2)]:
+            job = save_boundary(idx, path)
+            assert isinstance(job, list), (path, job)
+            idx.check_invariants()
+            assert_boundaries_whole(idx)
+            stored_sets += 1
+            assert all(idx.is_ready(g, key(path)) for g in (0, *STATES)), "the newest is whole"
+    assert stored_sets == 18 and idx.evictions > 0
+    whole = len(idx._entries[STATES[0]])
+    assert whole == 2  # 7 slots hold two sets of three; the spare is never a partial set
+    assert idx.allocator.num_free(1) == 1
+
+
+def test_state_pressure_evicts_the_whole_least_recent_set_and_keeps_its_chunk() -> None:
+    idx = make_index(kv_slots=8, state_slots=7, state_groups=3)
+    for path in [(1,), (2,)]:
+        assert isinstance(save_boundary(idx, path), list)
+    idx.touch(0, [key((2,))])
+    for g in STATES:
+        idx.touch(g, [key((2,))])  # (1,) is now every state policy's victim
+    assert isinstance(save_boundary(idx, (3,)), list)  # 1 free slot, 3 needed: one set goes
+    assert all(idx.get(g, key((1,))) is None for g in STATES)
+    assert idx.is_ready(0, key((1,))), "the chunk stays: only its states made room"
+    assert all(idx.is_ready(g, key(p)) for g in STATES for p in [(2,), (3,)])
+    assert idx.allocator.num_free(1) == 1
+    idx.check_invariants()
+
+
+def test_an_incomplete_state_set_is_never_committed() -> None:
+    idx = make_index(state_groups=3)
+    store_chain(idx, [(1,)])
+    k = key((1,))
+    part = [idx.reserve(g, k, None) for g in STATES[:2]]  # the third was never reserved
+    assert all(isinstance(e, Entry) for e in part)
+    assert not idx.commit(part[0])  # type: ignore[arg-type]
+    assert idx.get(STATES[1], k) is None  # its sibling went with it: a doomed write
+    assert not idx.commit(part[1])  # type: ignore[arg-type]
+    assert idx.stats().free_slots == 6 - 1 + 3 and idx.stats().doomed == 0
+    # nor without its chunk: a state set of a boundary whose chunk is not stored
+    orphan = [idx.reserve(g, key((9,)), None) for g in STATES]
+    assert [idx.commit(e) for e in orphan] == [False] * 3  # type: ignore[arg-type]
+    assert idx.stats().free_slots == 6 - 1 + 3
+    idx.check_invariants()
+
+
+def test_a_failed_member_takes_its_whole_set_and_a_partial_set_is_a_miss() -> None:
+    idx = make_index(state_groups=3)
+    job = save_boundary(idx, (1,), commit=False)
+    assert isinstance(job, list)
+    s1, s2, s3, chunk = job
+    idx.commit(s1)
+    idx.commit(s2)
+    assert not idx.is_ready(STATES[0], key((1,))), "two of three states: a miss"
+    assert idx.match(STATES[0], [key((1,))]) == 0
+    with pytest.raises(KeyError, match="decide first"):
+        idx.pin(STATES[0], [key((1,))])
+    idx.abort(s3)  # one member's write failed: the set goes, the chunk stays
+    assert all(idx.get(g, key((1,))) is None for g in STATES)
+    assert idx.commit(chunk) and idx.is_ready(0, key((1,)))
+    assert idx.stats().free_slots == 6 - 1 + 3
+    idx.check_invariants()
+
+
+def test_a_pinned_state_set_stays_whole_until_its_load_ends() -> None:
+    idx = make_index(kv_slots=1, state_slots=6, state_groups=3)
+    assert isinstance(save_boundary(idx, (1,)), list)
+    pins = idx.pin(0, [key((1,))])
+    for g in STATES:
+        pins += idx.pin(g, [key((1,))])
+    assert isinstance(save_boundary(idx, (2,), with_state=False), SaveDrop)  # chunk pinned
+    idx.unpin(pins[:1])  # the chunk's load part ended first; its states are still read
+    assert isinstance(save_boundary(idx, (2,), with_state=False), list)  # evicts chunk (1,)
+    assert all(idx.get(g, key((1,))) is None for g in STATES)  # gone for lookups at once
+    assert idx.stats().doomed == 3 and idx.allocator.num_free(1) == 3  # slots still read
+    idx.unpin(pins[1:])
+    assert idx.stats().doomed == 0 and idx.allocator.num_free(1) == 6
+    idx.check_invariants()
+
+
+def test_pressure_never_takes_a_set_with_one_pinned_member() -> None:
+    idx = make_index(kv_slots=4, state_slots=3, state_groups=3)
+    assert isinstance(save_boundary(idx, (1,)), list)
+    pins = idx.pin(STATES[1], [key((1,))])
+    assert save_boundary(idx, (2,)) is SaveDrop.FULL
+    assert all(idx.is_ready(g, key((1,))) for g in STATES)
+    idx.unpin(pins)
+    assert isinstance(save_boundary(idx, (2,)), list)
+    assert idx.get(STATES[0], key((1,))) is None
+    idx.check_invariants()
+
+
+def test_reset_counts_every_entry_it_drops() -> None:
+    idx = make_index(state_groups=3)
+    assert isinstance(save_boundary(idx, (1,)), list)
+    assert idx.reset() == 4
+    assert idx.stats().free_slots == 6 + 3
+
+
 def test_pin_of_a_chunk_that_is_not_ready_raises() -> None:
     idx = make_index()
     idx.reserve(0, key((1,)), None)
@@ -186,8 +326,13 @@ def test_a_refused_pin_raises_key_error_when_nothing_else_is_pinned() -> None:
     idx.check_invariants()
 
 
+PATHS = st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple)
+
+
 class IndexMachine(RuleBasedStateMachine):
-    """Random store / lookup / pin / complete / fail / evict / reset sequences."""
+    """Random store / lookup / pin / complete / fail / evict / reset sequences, with one to
+    three recurrent-state groups sharing a slot class. A write is a job (a list of entries)
+    that commits or fails whole, as the scheduler's save jobs do."""
 
     writing = Bundle("writing")
     pinned = Bundle("pinned")
@@ -195,53 +340,80 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.idx: MemoryIndex | None = None
-        self.live_writes: dict[int, Entry] = {}
+        self.live_writes: dict[int, list[Entry]] = {}
         self.live_pins: dict[int, list[Entry]] = {}
 
-    @rule(policy=st.sampled_from(sorted(POLICIES)), kv=st.integers(1, 6), state=st.integers(1, 3))
+    @rule(policy=st.sampled_from(sorted(POLICIES)), kv=st.integers(1, 6), state=st.integers(1, 7),
+          state_groups=st.integers(1, 3))
     @precondition(lambda self: self.idx is None)
-    def start(self, policy: str, kv: int, state: int) -> None:
-        self.idx = make_index(policy, kv, state)
+    def start(self, policy: str, kv: int, state: int, state_groups: int) -> None:
+        self.idx = make_index(policy, kv, state, state_groups)
         self.capacity = (kv, state)
+        self.states = tuple(range(1, state_groups + 1))
 
-    @rule(target=writing, path=st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple))
+    def _job(self, job: list[Entry]) -> object:
+        if not job:
+            return multiple()
+        self.live_writes[id(job)] = job
+        return multiple(job)
+
+    @rule(target=writing, path=PATHS)
     @precondition(lambda self: self.idx is not None)
     def reserve(self, path: tuple[int, ...]) -> object:
         assert self.idx is not None
         parent = key(path[:-1]) if len(path) > 1 else None
         e = self.idx.reserve(0, key(path), parent)
-        if isinstance(e, Entry):
-            self.live_writes[id(e)] = e
-            return multiple(e)
-        return multiple()
+        return self._job([e] if isinstance(e, Entry) else [])
 
-    @rule(target=writing, path=st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple))
+    @rule(target=writing, path=PATHS, members=st.one_of(st.just(3), st.integers(0, 2)))
     @precondition(lambda self: self.idx is not None)
-    def reserve_state(self, path: tuple[int, ...]) -> object:
+    def save_request(self, path: tuple[int, ...], members: int) -> object:
+        """A request that saves every chunk of ``path`` with its boundary's states (a step
+        ended at every boundary); the last job stays in flight. ``members`` below the number
+        of state groups plays a caller that reserves only part of a set (the index drops it)."""
         assert self.idx is not None
-        if not self.idx.is_ready(0, key(path)):
-            return multiple()
-        e = self.idx.reserve(1, key(path), None)
-        if isinstance(e, Entry):
-            self.live_writes[id(e)] = e
-            return multiple(e)
-        return multiple()
+        for n in range(1, len(path)):
+            job = self._save(path[:n], members)
+            for e in job or ():
+                self.idx.commit(e)
+            if job is None:
+                return multiple()  # the scheduler drops the chunks after a refused one
+        return self._job(self._save(path, members) or [])
 
-    @rule(e=consumes(writing))
-    def commit(self, e: Entry) -> None:
+    def _save(self, path: tuple[int, ...], members: int) -> list[Entry] | None:
+        """One save job, states first as vLLM lists them; None if refused (nothing held)."""
         assert self.idx is not None
-        self.live_writes.pop(id(e), None)
-        self.idx.commit(e)
+        k = key(path)
+        parent = key(path[:-1]) if len(path) > 1 else None
+        groups = [g for g in (*self.states[:members], 0) if self.idx.get(g, k) is None]
+        job: list[Entry] = []
+        for g in groups:
+            e = self.idx.reserve(g, k, parent if g == 0 else None)
+            if not isinstance(e, Entry):
+                for done in job:
+                    self.idx.abort(done)
+                return None
+            job.append(e)
+        return job
 
-    @rule(e=consumes(writing))
-    def fail(self, e: Entry) -> None:
+    @rule(job=consumes(writing))
+    def commit(self, job: list[Entry]) -> None:
         assert self.idx is not None
-        self.live_writes.pop(id(e), None)
-        self.idx.abort(e)
+        self.live_writes.pop(id(job), None)
+        for e in job:
+            self.idx.commit(e)
 
-    @rule(target=pinned, path=st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple))
+    @rule(job=consumes(writing))
+    def fail(self, job: list[Entry]) -> None:
+        assert self.idx is not None
+        self.live_writes.pop(id(job), None)
+        for e in job:
+            self.idx.abort(e)
+
+    @rule(target=pinned, path=PATHS)
     @precondition(lambda self: self.idx is not None)
     def lookup_and_pin(self, path: tuple[int, ...]) -> object:
+        """Pin the longest stored prefix, and its boundary's state set where it is whole."""
         assert self.idx is not None
         keys = [key(path[: i + 1]) for i in range(len(path))]
         n = self.idx.match(0, keys)
@@ -249,6 +421,10 @@ class IndexMachine(RuleBasedStateMachine):
             return multiple()
         self.idx.touch(0, keys[:n])
         entries = self.idx.pin(0, keys[:n])
+        boundary = keys[n - 1]
+        if all(self.idx.is_ready(g, boundary) for g in self.states):
+            for g in self.states:
+                entries += self.idx.pin(g, [boundary])
         self.live_pins[id(entries)] = entries
         return multiple(entries)
 
@@ -268,37 +444,29 @@ class IndexMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if self.idx is None:
             return
-        self.idx.check_invariants()
+        self.idx.check_invariants()  # includes: every ready state set whole, with its chunk
         for g, cap in enumerate(self.capacity):
             assert self.idx.allocator.num_free(g) <= cap
         # pinned or writing chunks are never evicted: each is live, or doomed with its slot held
-        held = [e for es in self.live_pins.values() for e in es] + list(self.live_writes.values())
+        held = [e for es in self.live_pins.values() for e in es] + [
+            e for job in self.live_writes.values() for e in job]
         for e in held:
             live = self.idx.get(e.group, e.key) is e
             assert live or e in self.idx._doomed, f"{e} was evicted while pinned or writing"
+        # a state set is visible whole or not at all, in every one of its groups alike
+        for k in set().union(*(self.idx._entries[g] for g in self.states)):
+            assert len({self.idx.is_ready(g, k) for g in self.states}) == 1
 
     def teardown(self) -> None:
         if self.idx is None:
             return
-        # drain whatever is still in flight through the bundles' leftovers: the index must
-        # return to zero once every write and pin ends
+        # end every write and pin still in flight: the index must return to zero
         idx = self.idx
-        for es in idx._entries:
-            for e in list(es.values()):
-                if not e.ready:
-                    idx.abort(e) if e.parent is None or e.parent.ready else None
-        pinned = [e for es in idx._entries for e in es.values() if e.pins] + [
-            e for e in idx._doomed if e.pins
-        ]
-        for e in pinned:
-            idx.unpin([e] * e.pins)
-        for e in list(idx._doomed):
-            if not e.ready:
-                idx.commit(e)
-        idx.reset()
-        for es in idx._entries:
-            for e in list(es.values()):
-                idx.abort(e) if not e.ready else None
+        for job in self.live_writes.values():
+            for e in job:
+                idx.abort(e)
+        for entries in self.live_pins.values():
+            idx.unpin(entries)
         idx.reset()
         s = idx.stats()
         assert s.stored == 0 and s.writing == 0 and s.pinned == 0 and s.doomed == 0, s

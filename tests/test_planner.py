@@ -39,11 +39,10 @@ def keys_for(n: int, seed: str = "p") -> list[bytes]:
 def make(groups: list[GroupGeometry], slots: int = 64) -> tuple[MemoryIndex, Geometry]:
     geo = Geometry(C, tuple(groups))
     specs = []
-    state = [i for i, g in enumerate(groups) if g.kind is GroupKind.STATE]
     for i, g in enumerate(groups):
         specs.append(GroupIndexSpec(
             i, make_policy("lru", slots), chained=g.kind is GroupKind.FULL,
-            coupled_state=state[0] if state and g.kind is GroupKind.FULL else None))
+            boundary_state=g.kind is GroupKind.STATE))
     return MemoryIndex(specs, SlotAllocator([slots] * len(groups))), geo
 
 
@@ -122,6 +121,23 @@ def test_recurrent_state_of_the_boundary_must_be_present() -> None:
     store(idx, 1, keys, range(2, 3))  # state stored at boundary 3 only
     hit = find_hit(idx, geo, keys, 5 * C + 1, 0)
     assert hit.ok and hit.boundary == 3
+
+
+def test_every_state_group_of_the_boundary_must_be_present() -> None:
+    """Three state groups (a 4-layer Qwen3-Next on vLLM 0.32): boundary 4 has two of its
+    three states written and the third still writing, boundary 2 its whole set."""
+    idx, geo = make([STATE, STATE, STATE, FULL])
+    keys = keys_for(5)
+    store(idx, 3, keys, range(5))
+    whole = [idx.reserve(g, keys[1], None) for g in (0, 1, 2)]  # a set: reserved, then committed
+    assert all(isinstance(e, Entry) and idx.commit(e) for e in whole)
+    writing = [idx.reserve(g, keys[3], None) for g in (0, 1, 2)]
+    for e in writing[:2]:
+        assert isinstance(e, Entry) and idx.commit(e)
+    hit = find_hit(idx, geo, keys, 5 * C + 1, 0)
+    assert hit.ok and hit.boundary == 2  # boundary 4 is a miss, never a partial restore
+    assert isinstance(writing[2], Entry) and idx.commit(writing[2])
+    assert find_hit(idx, geo, keys, 5 * C + 1, 0).boundary == 4
 
 
 def test_load_bytes_count_blocks_beyond_hbm_and_window_and_state() -> None:

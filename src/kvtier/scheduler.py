@@ -162,7 +162,6 @@ class OffloadScheduler:
         self.world_size = world_size
         self.loads_enabled = loads_enabled
         self.slot_class = slot_classes(geometry)
-        state_groups = geometry.state_groups
         specs = []
         for g, gg in enumerate(geometry.groups):
             cls = self.slot_class[g]
@@ -170,8 +169,7 @@ class OffloadScheduler:
                 slot_class=cls,
                 policy=make_policy(config.policy, slab_layout.classes[cls].num_slots, config),
                 chained=gg.kind is GroupKind.FULL,
-                coupled_state=state_groups[0] if state_groups and gg.kind is GroupKind.FULL
-                else None,
+                boundary_state=gg.kind is GroupKind.STATE,
             ))
         self.allocator = SlotAllocator.for_layout(slab_layout)
         self.index = MemoryIndex(specs, self.allocator)

@@ -13,6 +13,11 @@ Lifecycle of a stored chunk (one per group and key)::
   its outcome. A pin never expires in-process.
 - ``reset`` drops everything; pinned or writing entries become *doomed*: invisible at once,
   their slot freed when their last pin or write ends.
+- Recurrent state: the state objects of one boundary (one per state group, under the key of
+  the chunk that ends there) are one unit. Reserve every member before committing any: a
+  set committed without all its members, or without the boundary's chunk, is dropped. A set
+  is ready only whole (``match``, ``is_ready``, ``pin`` see it so), leaves whole (eviction
+  pressure takes a whole set, never one pinned in any member), and leaves with its chunk.
 
 Handles (:class:`Entry`) make the late operations exact: a ``commit`` or ``unpin`` for an entry
 that was reset and re-created under the same key acts on the old one only.
@@ -80,7 +85,8 @@ class Index(ABC):
 
     @abstractmethod
     def commit(self, entry: Entry) -> bool:
-        """WRITING -> READY. False when the entry was doomed meanwhile (its slot is freed)."""
+        """WRITING -> READY. False when the entry was doomed meanwhile, or is a state object
+        whose set or chunk is not stored (its slot is freed, with the set's other members)."""
 
     @abstractmethod
     def abort(self, entry: Entry) -> None: ...

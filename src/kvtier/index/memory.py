@@ -17,14 +17,19 @@ class GroupIndexSpec:
 
     ``chained``: a chunk is useful only with all its ancestors (full attention): a child needs
     its parent stored, and only leaves may leave. Otherwise chunks are independent (sliding
-    window, recurrent state). ``coupled_state``: the group whose object under the same key
-    must leave when this group's chunk leaves (the recurrent state of that boundary).
+    window, recurrent state).
+
+    ``boundary_state``: this group's object under a key is one of the recurrent states of the
+    boundary that key ends (one per state group). The objects of every boundary-state group
+    under one key are one unit, the boundary's *state set*: visible, pinnable and evictable
+    only whole, committed only with every member and every chained group's chunk of that key
+    stored, and gone, every member, as soon as one member or one of those chunks leaves.
     """
 
     slot_class: int
     policy: EvictionPolicy
     chained: bool = True
-    coupled_state: int | None = None
+    boundary_state: bool = False
 
 
 class MemoryIndex(Index):
@@ -35,19 +40,31 @@ class MemoryIndex(Index):
         self._doomed: set[Entry] = set()
         self._pinned_entries = 0
         self.evictions = 0
+        self._state_groups = tuple(g for g, s in enumerate(self.groups) if s.boundary_state)
+        self._chunk_groups = tuple(g for g, s in enumerate(self.groups) if s.chained)
+        if set(self._state_groups) & set(self._chunk_groups):
+            raise ValueError("a boundary-state group cannot be chained")
 
     # -- lookups --------------------------------------------------------------------------
     def match(self, group: int, keys: Sequence[bytes]) -> int:
+        state = self.groups[group].boundary_state
         entries = self._entries[group]
         n = 0
         for k in keys:
             e = entries.get(k)
-            if e is None or not e.ready:
+            if e is None or not e.ready or (state and not self.is_ready(group, k)):
                 break
             n += 1
         return n
 
     def is_ready(self, group: int, key: bytes) -> bool:
+        """Ready; for a boundary-state group, only with every member of its state set ready
+        (a boundary missing one of its states is a miss, never a partial restore)."""
+        if self.groups[group].boundary_state:
+            return all(self._ready(s, key) for s in self._state_groups)
+        return self._ready(group, key)
+
+    def _ready(self, group: int, key: bytes) -> bool:
         e = self._entries[group].get(key)
         return e is not None and e.ready
 
@@ -85,6 +102,9 @@ class MemoryIndex(Index):
         if entry.ready:
             raise ValueError(f"{entry} committed twice")
         entry.ready = True
+        if self.groups[entry.group].boundary_state and not self._state_set_whole(entry.key):
+            self._remove(entry)  # an incomplete state set is never stored: drop what was written
+            return False
         parent = entry.parent.key if entry.parent is not None else None
         self.groups[entry.group].policy.insert(entry.key, parent)
         return True
@@ -106,7 +126,7 @@ class MemoryIndex(Index):
         pinned = []
         for k in keys:
             e = entries.get(k)
-            if e is None or not e.ready:
+            if e is None or not self.is_ready(group, k):
                 raise KeyError(f"chunk {k.hex()[:8]} of group {group} is not ready; decide first")
             pinned.append(e)
         for e in pinned:
@@ -137,7 +157,11 @@ class MemoryIndex(Index):
         e = self._entries[group].get(key)  # type: ignore[arg-type]
         if e is None or not e.ready or e.pins:
             return False
-        return not (self.groups[group].chained and e.children)
+        spec = self.groups[group]
+        if spec.boundary_state:  # a state set leaves whole: every member ready and unpinned
+            return all(self._ready(s, e.key) and not self._entries[s][e.key].pins
+                       for s in self._state_groups)
+        return not (spec.chained and e.children)
 
     def _evict_one(self, group: int, protect: Entry | None = None) -> bool:
         def ok(key: object) -> bool:
@@ -157,17 +181,28 @@ class MemoryIndex(Index):
         spec.policy.remove(e.key)
         self._detach(e)
         self.allocator.free(spec.slot_class, e.slot)
-        if spec.coupled_state is not None:
-            self._drop_coupled(spec.coupled_state, e.key)
+        if spec.chained or spec.boundary_state:
+            self._drop_state_set(e.key)
 
-    def _drop_coupled(self, state_group: int, key: bytes) -> None:
-        s = self._entries[state_group].get(key)
-        if s is None:
-            return
-        if s.ready and not s.pins:
-            self._remove(s)
-        else:
-            self._doom(s)
+    def _state_set_whole(self, key: bytes) -> bool:
+        """Every member of ``key``'s state set and every chained chunk of ``key`` is stored
+        (ready or writing): the set may become visible once its writes end."""
+        return all(key in self._entries[g] for g in self._state_groups + self._chunk_groups)
+
+    def _drop_state_set(self, key: bytes) -> None:
+        """A member of ``key``'s state set or its boundary chunk left: every member goes.
+
+        Callers remove their own entry from the dicts first, so the recursion through
+        :meth:`_remove` and :meth:`_doom` ends once the set is empty.
+        """
+        for g in self._state_groups:
+            s = self._entries[g].get(key)
+            if s is None:
+                continue
+            if s.ready and not s.pins:
+                self._remove(s)
+            else:
+                self._doom(s)
 
     def _detach(self, e: Entry) -> None:
         p = e.parent
@@ -202,8 +237,8 @@ class MemoryIndex(Index):
         self._detach(e)
         e.doomed = True
         self._doomed.add(e)
-        if spec.coupled_state is not None:
-            self._drop_coupled(spec.coupled_state, e.key)
+        if spec.chained or spec.boundary_state:
+            self._drop_state_set(e.key)
         if e.ready and not e.pins:
             self._release_doomed(e, write_ended=False)
 
@@ -216,19 +251,19 @@ class MemoryIndex(Index):
         self.allocator.free(self.groups[e.group].slot_class, e.slot)
 
     def reset(self) -> int:
-        dropped = 0
+        dropped = sum(len(es) for es in self._entries)  # counted first: dooms cascade
         for group in range(len(self.groups)):
             for e in list(self._entries[group].values()):
                 if self._entries[group].get(e.key) is e:
                     self._doom(e)
-                    dropped += 1
         return dropped
 
     # -- accounting -----------------------------------------------------------------------
     def stats(self) -> IndexStats:
         stored = sum(1 for es in self._entries for e in es.values() if e.ready)
         writing = sum(1 for es in self._entries for e in es.values() if not e.ready)
-        free = sum(self.allocator.num_free(g.slot_class) for g in self.groups)
+        # state groups share one slot class: count each class once
+        free = sum(self.allocator.num_free(c) for c in {g.slot_class for g in self.groups})
         return IndexStats(stored=stored, writing=writing, pinned=self._pinned_entries,
                           doomed=len(self._doomed), evictions=self.evictions, free_slots=free)
 
@@ -262,6 +297,21 @@ class MemoryIndex(Index):
                 f"{self.allocator.num_free(spec.slot_class)} free != {total}"
             )
             assert len(spec.policy) <= total
+        self._check_state_sets()
         pinned = sum(1 for es in self._entries for e in es.values() if e.pins) + sum(
             1 for e in self._doomed if e.pins)
         assert pinned == self._pinned_entries, (pinned, self._pinned_entries)
+
+    def _check_state_sets(self) -> None:
+        """A ready or pinned state object has every member of its set and its chunk stored."""
+        keys = set().union(*(self._entries[g] for g in self._state_groups))
+        for key in keys:
+            members = [self._entries[g].get(key) for g in self._state_groups]
+            if not any(m is not None and m.ready for m in members):
+                continue  # writes in flight: the set is judged when they commit
+            assert all(m is not None for m in members), f"state set {key.hex()[:8]} incomplete"
+            for g in self._chunk_groups:
+                assert key in self._entries[g], f"state set {key.hex()[:8]} without chunk g{g}"
+            if any(m is not None and m.pins for m in members):
+                assert all(m is not None and m.ready for m in members), \
+                    f"state set {key.hex()[:8]} pinned while not whole"
