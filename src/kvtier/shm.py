@@ -216,10 +216,11 @@ def map_shared_segment(shared: SharedSlab, size: int) -> mmap.mmap:
                 fd, path = create_segment(shared.directory, shared.engine_id, size)
                 st = os.fstat(fd)
                 mapping = _map(fd, size)
-                ranks.broadcast((path, (st.st_dev, st.st_ino), None))
+                offer: tuple[Any, ...] = (path, (st.st_dev, st.st_ino), None)
             except Exception as e:  # reported to every rank: none may wait for this one
                 error = f"rank 0: {e}"
-                ranks.broadcast((None, None, error))
+                offer = (None, None, error)
+            ranks.broadcast(offer)
         else:
             path, identity, error = ranks.broadcast(None)
             if error is None:
