@@ -7,8 +7,9 @@ allocator (scheduler), and the memory itself (workers).
 - Every KV group gets the same number of slots: a hit needs the same chunks of every group.
 - A *shard* is one rank's copy of every slot. Layouts replicated across TP ranks (MLA) keep one
   shard that every rank reads; others keep one shard per rank, in the same slot numbering.
-- With more than one rank the memory is a named shared-memory segment so that ranks can read
-  each other's shards; with one, plain process memory (no /dev/shm needed).
+- With more than one rank the memory is a shared-memory segment (:mod:`kvtier.shm`: reserved
+  up front, private to this engine, unlinked once every rank mapped it) so that ranks can
+  read each other's shards; with one, plain process memory (no /dev/shm needed).
 - For a GPU, memory is registered (pinned) after the device is set, through a
   :class:`Pinner` (for CUDA :class:`kvtier.gpu.pinning.CudaPinner`; this module makes no
   device call), in steps of at most ``pin_step`` bytes that never split a slot; a size the
@@ -19,21 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kvtier.config import ConfigError, format_bytes
+from kvtier.config import format_bytes
 from kvtier.hostmem import check_dram_size
+from kvtier.shm import SharedSlab, SlabError, map_shared_segment
 
 ALIGN = 4096
-
-
-class SlabError(RuntimeError):
-    """The host cannot provide the slab that was asked for."""
 
 
 def _align_up(n: int, a: int = ALIGN) -> int:
@@ -178,8 +175,10 @@ def _cuda_pinner() -> Pinner:
 class HostSlab:
     """The slab's memory in one process: every shard mapped, this rank's shard writable.
 
-    ``shm_name``: name of a shared-memory segment every rank of the engine maps (created by the
-    first rank to get there; unlinked by the creator at ``close``). None: private memory.
+    ``shared``: the slab is one shared-memory segment that every rank of ``shared.ranks`` maps
+    (:func:`kvtier.shm.map_shared_segment`: every rank constructs its HostSlab together; the
+    segment is reserved up front and already unlinked when this returns). None: private
+    memory.
     ``pinner``: pins the memory, in :func:`pin_ranges` of at most ``pin_step`` bytes, and
     unpins it at ``close``; None: not pinned. ``pin=True`` without a pinner means the CUDA
     pinner.
@@ -188,56 +187,29 @@ class HostSlab:
     def __init__(
         self,
         layout: SlabLayout,
-        shm_name: str | None = None,
+        shared: SharedSlab | None = None,
         pin: bool = False,
         pin_step: int = 2**30,
         pinner: Pinner | None = None,
     ) -> None:
         self.layout = layout
-        self.shm_name = shm_name
-        self._owner = False
+        self.shared = shared
         self._mmap: mmap.mmap | None = None
         self._registered: list[int] = []
         self._pinner: Pinner | None = None
         if pinner is None and pin:
             pinner = _cuda_pinner()  # before any memory exists: a refusal leaves nothing behind
         total = layout.total_bytes
-        if shm_name is None:
+        if shared is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
             self.buffer = torch.empty(total, dtype=torch.uint8)
         else:
-            self.buffer = self._map_shared(shm_name, total)
+            self.buffer = self._map_shared(shared, total)
         if pinner is not None:
             self._pin(pinner, pin_step)
 
-    def _map_shared(self, name: str, size: int) -> torch.Tensor:
-        path = os.path.join("/dev/shm", name)
-        st = os.statvfs("/dev/shm")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            self._owner = True
-            if st.f_bavail * st.f_frsize < size:
-                os.close(fd)
-                os.unlink(path)
-                raise SlabError(
-                    f"/dev/shm has {format_bytes(st.f_bavail * st.f_frsize)} free, the slab needs "
-                    f"{format_bytes(size)}: enlarge /dev/shm (docker --shm-size) or lower dram_size"
-                )
-            try:  # the creator takes the memory for every rank: it checks the host's headroom
-                check_dram_size(size)
-            except ConfigError:
-                os.close(fd)
-                os.unlink(path)
-                raise
-            os.ftruncate(fd, size)
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise SlabError(f"shared slab {path} has the wrong size for this engine's slab layout")
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def _map_shared(self, shared: SharedSlab, size: int) -> torch.Tensor:
+        self._mmap = map_shared_segment(shared, size)
         return torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     def _pin(self, pinner: Pinner, pin_step: int) -> None:
@@ -277,10 +249,6 @@ class HostSlab:
             with contextlib.suppress(BufferError):
                 self._mmap.close()
             self._mmap = None
-        if self._owner and self.shm_name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", self.shm_name))
-            self._owner = False
 
 
 def pin_ranges(layout: SlabLayout, pin_step: int) -> list[tuple[int, int]]:

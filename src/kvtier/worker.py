@@ -22,6 +22,7 @@ from kvtier.layout import GroupKind, Layout
 from kvtier.log import get_logger
 from kvtier.planner import Geometry, GroupGeometry, make_slab_layout, slot_classes
 from kvtier.protocol import Job, JobKind, StepPlan, WorkerReport
+from kvtier.shm import SharedSlab
 from kvtier.slab import HostSlab
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
@@ -85,7 +86,7 @@ class OffloadWorker:
         rank: int = 0,
         world_size: int = 1,
         replicated: bool = False,
-        shm_name: str | None = None,
+        shared: SharedSlab | None = None,
         pin: bool = False,
         engine_factory: Callable[[ChunkMover], TransferEngine] | None = None,
     ) -> None:
@@ -97,7 +98,7 @@ class OffloadWorker:
         self.geometry = planner_geometry(worker_geometry(layout), chunk_tokens)
         num_shards = 1 if replicated else world_size
         self.slab_layout = make_slab_layout(config, self.geometry, num_shards)
-        self.slab = HostSlab(self.slab_layout, shm_name=shm_name if world_size > 1 else None,
+        self.slab = HostSlab(self.slab_layout, shared=shared if world_size > 1 else None,
                              pin=pin, pin_step=config.pin_step_size)
         shard = 0 if replicated else rank
         self.writes = not replicated or rank == 0

@@ -46,6 +46,7 @@ from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm.block_axes import registered_block_axes
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.vllm.ranks import engine_shared_slab
 from kvtier.vllm.stats import KvtierStats, counter_deltas
 from kvtier.worker import (
     OffloadWorker,
@@ -410,11 +411,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         rank = _rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
-        shm = f"kvtier-{self._vllm_config.kv_transfer_config.engine_id}" if (
-            self.world_size > 1) else None
+        shm = engine_shared_slab(self._vllm_config) if self.world_size > 1 else None
         self._worker = OffloadWorker(
             self.config, layout, chunk, rank=rank, world_size=self.world_size,
-            replicated=self.replicated, shm_name=shm, pin=device_is_cuda,
+            replicated=self.replicated, shared=shm, pin=device_is_cuda,
             engine_factory=self._engine_factory(device_is_cuda),
         )
         transfer = f"cuda {self.config.transfer_path}" if device_is_cuda else "cpu threads"
