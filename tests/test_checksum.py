@@ -238,3 +238,39 @@ def test_cuda_equals_cpu() -> None:
     assert C.checksum(dev, 77) == C.checksum(buf, 77)
     assert C.block_sums(dev, runs, 16) == C.block_sums(buf, runs, 16)
     assert C.checksum(dev[8:], 1) == C.checksum(buf[8:], 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["v032_flash_BHLNC", "v032_mamba_hybrid", "v025_flash_hnd"])
+def test_compiled_device_kernels_equal_cpu(name: str) -> None:
+    """The compiled Triton kernels (this process does not interpret them) give the CPU's sums:
+    the fused gather, the cache-only pass and stage_sums."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from _families import blocks_per_chunk, materialize, stored_recipes
+    from kvtier.gpu import kernels
+
+    fam = materialize({r["name"]: r for r in stored_recipes()}[name], "cuda")
+    _, bpc = blocks_per_chunk(fam.layout)
+    for group, b in zip(fam.layout.groups, bpc):
+        for s in {id(seg.storage): seg.storage for seg in group.segments}.values():
+            s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda"))
+        t = kernels.TileTable.build(group, b)
+        n = max(1, min(3, group.num_blocks // b))
+        ids = torch.randperm(group.num_blocks, device="cuda")[: n * b].to(torch.int64)
+        stage = torch.zeros(n * t.chunk_bytes, dtype=torch.uint8, device="cuda")
+        part = torch.empty(t.work_items(ids.numel()), dtype=torch.int64, device="cuda")
+        t.launch(stage, 0, ids, True, max_programs=16, sums=part)
+        got = [int(x) & C.MASK64 for x in t.block_sums(part, ids.numel()).tolist()]
+        host = stage.cpu()
+        runs = [s.run for s in group.segments]
+        want = []
+        for c in range(n):
+            want += C.block_sums(host[c * t.chunk_bytes:(c + 1) * t.chunk_bytes], runs, b)
+        assert got == want
+        again = torch.empty_like(part)
+        t.launch(stage, 0, ids, False, max_programs=16, sums=again, move=False)
+        assert torch.equal(again, part)
+        whole = kernels.stage_sums(stage, 0, n, t.chunk_bytes)
+        assert [int(x) & C.MASK64 for x in whole.tolist()] == [
+            sum(want[c * b:(c + 1) * b]) & C.MASK64 for c in range(n)]
