@@ -65,6 +65,18 @@ def test_bad_settings_are_start_up_errors_naming_the_fix() -> None:
         _connector(extra={"dram_size": "64"})
 
 
+def test_start_up_refusals_are_one_kvtier_line() -> None:
+    from kvtier.vllm.startup import StartupError
+
+    for policy, extra in (("fail", {}), ("recompute", {"dram_sise": "1GiB"})):
+        with pytest.raises(StartupError) as info:
+            _connector(policy, extra)
+        line = str(info.value)
+        assert line.startswith("kvtier: ") and "\n" not in line and "; " in line, line
+    assert str(info.value) == ("kvtier: unknown kvtier setting 'dram_sise': did you mean "
+                               "'dram_size'?; `kvtier config` lists every setting")
+
+
 QUIET_DEFAULT_HOOKS = (
     "bind_connector_metadata", "build_connector_worker_meta", "get_block_ids_with_load_errors",
     "get_finished", "get_kv_connector_stats", "get_loaded_kv_cache_group_ids",

@@ -69,6 +69,64 @@ def test_a_bad_vllm_flag_is_one_line_before_anything_starts(
     assert not child.port_in_use("127.0.0.1", port) and time.monotonic() - t0 < 120
 
 
+def _shm_free_plus_one_gib() -> str:
+    st = os.statvfs("/dev/shm")
+    return f"{st.f_bavail * st.f_frsize // 2**30 + 1}GiB"
+
+
+KVTIER_JSON_FAIL = '{"kv_connector": "kvtier", "kv_role": "kv_both"}'  # vLLM's default: fail
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--chunk-tokens", "100", "--block-size", "32"],
+     "kvtier serve: kvtier setting 'chunk_tokens' (100) is not a multiple of every KV-cache "
+     "block size [32] (their LCM is 32): write chunk_tokens=96 or 128, or leave it unset"),
+    (["--no-kvtier", "--kv-transfer-config", KVTIER_JSON_FAIL],
+     "kvtier serve: kv_load_failure_policy='fail' is refused: a failed restore must recompute, "
+     "not fail the request; set kv_load_failure_policy='recompute' in --kv-transfer-config, "
+     "or set kvtier's allow_fail_policy=true to start anyway"),
+    (["--dram-size", "1000TiB"], "kvtier serve: kvtier dram_size 1000TiB is more than this "
+                                 "process can take: "),
+    (["--tensor-parallel-size", "2", "--dram-size", _shm_free_plus_one_gib()],
+     "kvtier serve: /dev/shm has "),
+])
+def test_what_the_connector_would_refuse_is_one_line_before_anything_starts(
+        argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    assert main(["serve", "m", "--port", str(port), *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
+    assert "starting vLLM" not in err and not child.port_in_use("127.0.0.1", port)
+    if "/dev/shm" in line:
+        assert "with --tensor-parallel-size 2 kvtier keeps its store" in err
+        assert err.strip().endswith("; enlarge /dev/shm (docker --shm-size, or --ipc=host) or "
+                                    "lower dram_size")
+
+
+def test_the_checks_pass_what_the_connector_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    ok = '{"kv_connector": "kvtier", "kv_role": "kv_both", "kv_load_failure_policy": "fail", ' \
+         '"kv_connector_extra_config": {"allow_fail_policy": true}}'
+    for argv in (["--chunk-tokens", "96", "--block-size", "32"],  # a multiple
+                 ["--chunk-tokens", "100"],  # no --block-size: vLLM decides, the connector checks
+                 ["--tensor-parallel-size", "2", "--dram-size", "64MiB"],
+                 ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--dram-size",
+                  _shm_free_plus_one_gib()],  # kvtier is off with pipeline parallelism
+                 ["--no-kvtier", "--kv-transfer-config", ok]):
+        assert main(["serve", "m", *argv, "--dry-run"]) == 0, capsys.readouterr().err
+        assert "--model m" in capsys.readouterr().out
+
+
+def test_a_refusal_is_one_line_from_a_real_kvtier_serve(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "m", "--port",
+                        str(free_port()), "--chunk-tokens", "100", "--block-size=32"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "starting vLLM" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "kvtier serve: kvtier setting 'chunk_tokens' (100) is not a multiple"), r.stderr
+    assert r.stderr.count("kvtier") == 2  # that line only (vLLM's import notes aside)
+
+
 @pytest.fixture
 def other_server() -> Iterator[int]:
     """A server kvtier did not start, answering /health on a port."""

@@ -10,7 +10,8 @@ Contract:
 - Counts and numbers are not booleans: ``true`` for ``max_pins`` is an error, not 1.
 - Unknown keys are errors, in the dict and in the environment (a ``KVTIER_`` variable that
   names no field), and the message names the closest field. The only ``KVTIER_`` variables
-  that are not settings are those in :data:`NON_SETTING_ENV` (switches of the test scripts).
+  that are not settings are those in :data:`NON_SETTING_ENV` (switches of the test scripts,
+  the start-up report file of kvtier.vllm.startup).
 - The dict wins over the environment: the engine's own configuration is the more specific one.
   A key given twice in the dict (``dram_size`` and ``kvtier.dram_size``) is an error.
 - Every error names where the bad value came from (the dict key or the environment variable).
@@ -37,8 +38,9 @@ from kvtier.log import get_logger
 
 ENV_PREFIX = "KVTIER_"
 DICT_PREFIX = "kvtier."
-# KVTIER_ variables that are not settings: switches of scripts/test.sh.
-NON_SETTING_ENV = frozenset({"KVTIER_SOAK"})
+# KVTIER_ variables that are not settings: switches of scripts/test.sh, and the file a
+# kvtier-aware parent hands its engine processes for start-up failures (kvtier.vllm.startup).
+NON_SETTING_ENV = frozenset({"KVTIER_SOAK", "KVTIER_STARTUP_REPORT"})
 DEFAULT_MIN_CHUNK_TOKENS = 256
 DEFAULT_DRAM_SIZE = 4 * 2**30
 DEFAULT_STAGING_SIZE = 256 * 2**20

@@ -7,6 +7,8 @@ Contract:
   ``PR_SET_PDEATHSIG``: when the parent dies, even by SIGKILL, the child gets SIGTERM and vLLM
   shuts its engine processes down. If the parent is already gone when the child starts, the
   child exits at once.
+- :func:`wait_session_end` waits (boundedly) until no process of the child's session is
+  left, so that what they still print comes before what the parent prints last.
 - :func:`port_in_use` says whether something already listens on (host, port).
 - :func:`owns_port` says whether a process of the child's tree holds the listening socket of
   that port (Linux ``/proc``; None where that cannot be known), so a ``/health`` answer from
@@ -22,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
@@ -48,6 +51,30 @@ def spawn(cmd: Sequence[str], stdout: IO[bytes] | None = None,
                             stderr=subprocess.STDOUT if stdout is not None else None,
                             env=None if env is None else dict(env),
                             preexec_fn=_bind_to_parent(os.getpid()))
+
+
+def _session_alive(sid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError), open(
+                    f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":  # session, state
+                    return True
+    return False
+
+
+def wait_session_end(sid: int, timeout: float) -> bool:
+    """Wait until session ``sid`` (a child of :func:`spawn` leads its own) has no live
+    process, at most ``timeout`` seconds; True if it ended. Without ``/proc``: True at once."""
+    if not os.path.isdir("/proc/self"):
+        return True
+    deadline = time.monotonic() + timeout
+    while _session_alive(sid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtier.config import ConfigError, KvtierConfig
+from kvtier.config import KvtierConfig
 from kvtier.keys import UNSUPPORTED, Namespace
 from kvtier.layout import build_layout
 from kvtier.log import get_logger, worker_census
@@ -43,6 +43,7 @@ from kvtier.scheduler import (
     StepInput,
 )
 from kvtier.transfer import ChunkMover, TransferEngine
+from kvtier.vllm import startup
 from kvtier.vllm.block_axes import registered_block_axes
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
@@ -86,17 +87,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                  **kwargs: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        try:
+        with startup.failures(todo=startup.SETTINGS_TODO):
             self.config = KvtierConfig.load(extra)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
-        if policy != "recompute" and not self.config.allow_fail_policy:
-            raise ValueError(
-                f"kvtier needs kv_load_failure_policy='recompute' (got {policy!r}): a failed "
-                "restore must recompute, not fail the request. Set it in --kv-transfer-config, "
-                "or set kvtier's allow_fail_policy=true to start anyway."
-            )
+        startup.check_failure_policy(policy, self.config.allow_fail_policy)
         parallel = vllm_config.parallel_config
         self.world_size = int(parallel.tensor_parallel_size) * int(
             parallel.pipeline_parallel_size)
@@ -292,10 +286,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if any(g != first for g in geometries):
             raise RuntimeError(f"kvtier: ranks disagree on the KV layout: {geometries}")
         assert self.groups is not None
-        chunk = self.config.resolve_chunk_tokens(first.block_sizes)
-        geometry = planner_geometry(first, chunk)
-        num_shards = 1 if self.replicated else self.world_size
-        slab_layout = make_slab_layout(self.config, geometry, num_shards)
+        with startup.failures():
+            chunk = self.config.resolve_chunk_tokens(first.block_sizes)
+            geometry = planner_geometry(first, chunk)
+            num_shards = 1 if self.replicated else self.world_size
+            slab_layout = make_slab_layout(self.config, geometry, num_shards)
         ns = Namespace(
             model=self.model_name, layout_fingerprint=first.fingerprint,
             kv_cache_dtype=self.kv_cache_dtype, chunk_tokens=chunk,
@@ -407,16 +402,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_dtype=self.kv_cache_dtype, layers=layers, block_axes=block_axes,
         )
         self._geometry = worker_geometry(layout)
-        chunk = self.config.resolve_chunk_tokens(self._geometry.block_sizes)
+        with startup.failures():
+            chunk = self.config.resolve_chunk_tokens(self._geometry.block_sizes)
         rank = _rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
-        shm = engine_shared_slab(self._vllm_config) if self.world_size > 1 else None
-        self._worker = OffloadWorker(
-            self.config, layout, chunk, rank=rank, world_size=self.world_size,
-            replicated=self.replicated, shared=shm, pin=device_is_cuda,
-            engine_factory=self._engine_factory(device_is_cuda),
-        )
+        with startup.failures():  # the slab: dram_size, host memory, /dev/shm, pinning
+            shm = engine_shared_slab(self._vllm_config) if self.world_size > 1 else None
+            self._worker = OffloadWorker(
+                self.config, layout, chunk, rank=rank, world_size=self.world_size,
+                replicated=self.replicated, shared=shm, pin=device_is_cuda,
+                engine_factory=self._engine_factory(device_is_cuda),
+            )
         transfer = f"cuda {self.config.transfer_path}" if device_is_cuda else "cpu threads"
         logger.info("%s", worker_census(rank, layout, chunk, self._worker.slab_layout.total_bytes,
                                         transfer))

@@ -8,7 +8,8 @@ Contract:
   re-export without a ``__main__``), 0.25.1 has ``vllm.entrypoints.openai.api_server``.
 - :func:`check_args` parses the arguments with the parser that module builds
   (``make_arg_parser`` of the matching ``cli_args``) and raises :class:`ConfigError` with one
-  line: the unknown flag and the closest one vLLM has, or vLLM's own message for a bad value.
+  line: the unknown flag and the closest one vLLM has, or vLLM's own message for a bad value;
+  it returns the arguments as vLLM reads them, for kvtier's own checks.
 """
 
 from __future__ import annotations
@@ -89,11 +90,12 @@ def closest_flag(flag: str, parser: argparse.ArgumentParser) -> str | None:
     return found[0] if found else None
 
 
-def check_args(args: Sequence[str]) -> None:
-    """Raise ConfigError (one line) if vLLM's server would reject ``args``."""
+def check_args(args: Sequence[str]) -> argparse.Namespace:
+    """Raise ConfigError (one line) if vLLM's server would reject ``args``; else the
+    arguments as vLLM's parser reads them."""
     parser = server_parser()
     try:
-        _, unknown = parser.parse_known_args(list(args))
+        ns, unknown = parser.parse_known_args(list(args))
     except _Rejected as e:
         raise ConfigError("vLLM rejects the arguments: " + " ".join(str(e).split())) from None
     flags = [a for a in unknown if a.startswith("-")]
@@ -104,3 +106,4 @@ def check_args(args: Sequence[str]) -> None:
                           + (f"; did you mean {hint}?" if hint else "") + more)
     if unknown:
         raise ConfigError(f"vLLM does not take the positional argument(s) {unknown}")
+    return ns

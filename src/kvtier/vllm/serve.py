@@ -16,9 +16,14 @@ Contract:
 - Before vLLM starts (:func:`preflight`): the port must be free, and vLLM's own argument parser
   must accept the whole command (a mistyped flag is one line naming the closest flag, not
   vLLM's usage text).
+- Before vLLM starts (:func:`kvtier.vllm.preflight.check_engine`): what kvtier's connector
+  would refuse at start-up and can be known from the command line (settings, failure policy,
+  chunk_tokens vs --block-size, /dev/shm with tensor parallelism, dram_size vs host memory).
 - The server runs as a child bound to this process (:func:`kvtier.vllm.child.spawn`): when
   ``kvtier serve`` ends, by a signal or SIGKILL, vLLM ends too. "ready" is printed only when
   ``/health`` answers and the child's own process tree holds the listening socket.
+- A start-up refusal of the connector inside the server (:mod:`kvtier.vllm.startup`) is the
+  last line ``kvtier serve`` prints, once the server's processes are gone.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any, NoReturn
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.vllm import child, entry
+from kvtier.vllm import child, entry, startup
+from kvtier.vllm.preflight import check_engine
 
 DEFAULT_PORT = 8000
+SESSION_END_WAIT_S = 10.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -162,12 +169,16 @@ def host_port(vllm_args: Sequence[str]) -> tuple[str, int]:
 
 def preflight(sa: ServeArgs, cmd: Sequence[str], check_port: bool = True) -> None:
     """Everything checked before vLLM starts: the port is free, vLLM's parser accepts the
-    command (``cmd`` from :func:`vllm_command`). Raises ConfigError with one line."""
+    command (``cmd`` from :func:`vllm_command`), and kvtier's connector would start with it
+    (:func:`kvtier.vllm.preflight.check_engine`). Raises ConfigError with one line."""
     host, port = host_port(sa.vllm_args)
     if check_port and child.port_in_use(host, port):
         raise ConfigError(f"port {port} on {host} is already in use (another server?): stop "
                           "it or pass --port")
-    entry.check_args(cmd[3:])
+    ns = entry.check_args(cmd[3:])
+    check_engine(getattr(ns, "kv_transfer_config", None),
+                 getattr(ns, "tensor_parallel_size", 1) or 1,
+                 getattr(ns, "pipeline_parallel_size", 1) or 1, getattr(ns, "block_size", None))
 
 
 def base_url(vllm_args: Sequence[str]) -> str:
@@ -248,7 +259,24 @@ def serve(sa: ServeArgs, ready_timeout: float = 900.0) -> int:
     what = (f"kvtier on ({', '.join(f'{k}={v}' for k, v in sa.settings.items()) or 'defaults'})"
             if sa.kvtier else "kvtier off")
     print(f"kvtier serve: starting vLLM for {sa.model}, {what}", file=sys.stderr, flush=True)
-    proc = child.spawn(cmd)
+    env = dict(os.environ)
+    report = startup.open_report(env)
+    try:
+        proc = child.spawn(cmd, env=env)
+        code = _serve_child(proc, url, sa.kvtier, ready_timeout)
+        child.wait_session_end(proc.pid, SESSION_END_WAIT_S)
+        # the connector's start-up refusal, last: after everything the server printed
+        for line in startup.read_report(report):
+            print(line, file=sys.stderr, flush=True)
+        return code
+    finally:
+        startup.close_report(report)
+
+
+def _serve_child(proc: subprocess.Popen[bytes], url: str, kvtier: bool,
+                 ready_timeout: float) -> int:
+    """Wait for the started server: until it is ready (then say so), and until it ends;
+    forward signals to it. Returns its exit code."""
     stopping: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
@@ -266,7 +294,7 @@ def serve(sa: ServeArgs, ready_timeout: float = 900.0) -> int:
         if proc.poll() is None:
             return stop(proc) or 1
         return proc.returncode or 1
-    series = "vllm:kvtier_* series" if sa.kvtier else "no kvtier series (--no-kvtier)"
+    series = "vllm:kvtier_* series" if kvtier else "no kvtier series (--no-kvtier)"
     print(f"kvtier serve: ready. OpenAI API {url}/v1 ; metrics {url}/metrics "
           f"({series}, next to vLLM's vllm:* metrics)", flush=True)
     return proc.wait()
