@@ -65,9 +65,9 @@ def _timed(acc: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.config import KvtierConfig
+    from kvtier.geometry import Geometry, GroupGeometry
     from kvtier.index.base import Entry
     from kvtier.layout import GroupKind
-    from kvtier.planner import Geometry, GroupGeometry, make_slab_layout
     from kvtier.protocol import WorkerReport
     from kvtier.scheduler import OffloadScheduler
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         dram_size=f"{args.stored_chunks * 32}MiB", policy=args.policy, chunk_tokens=chunk,
         max_pending_saves=1 << 20, max_pending_loads=1 << 20, max_pins=1 << 22,
     )
-    slab_layout = make_slab_layout(cfg, geo, 1)
+    slab_layout = geo.slab_layout(cfg, 1)
     sched = OffloadScheduler(cfg, geo, b"bench-namespace", slab_layout)
     capacity = slab_layout.classes[0].num_slots
     print(f"kvtier bench planner: {capacity:,} slots, filling {args.stored_chunks:,} chunks "

@@ -30,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import ConfigError, KvtierConfig
+from kvtier.geometry import Geometry, resolve_chunk_tokens
 from kvtier.keys import UNSUPPORTED, Namespace
 from kvtier.layout import build_layout
 from kvtier.log import get_logger, worker_census
-from kvtier.planner import make_slab_layout
 from kvtier.protocol import StepPlan
 from kvtier.scheduler import (
     CachedRequest,
@@ -47,13 +47,7 @@ from kvtier.vllm.block_axes import registered_block_axes
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.stats import KvtierStats, counter_deltas
-from kvtier.worker import (
-    OffloadWorker,
-    StepResult,
-    WorkerGeometry,
-    planner_geometry,
-    worker_geometry,
-)
+from kvtier.worker import OffloadWorker, StepResult
 
 try:  # vLLM 0.32: failures per request
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -141,7 +135,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._blind: set[str] = set()
         # worker half
         self._worker: OffloadWorker | None = None
-        self._geometry: WorkerGeometry | None = None
+        self._geometry: Geometry | None = None
         self._geometry_acked = False
         self._result = StepResult()
         self._fenced_step = -1
@@ -284,17 +278,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.observe_step(now - self._last_output, self._prefill_tokens)
             self._last_output = now
 
-    def _start_scheduler(self, geometries: list[WorkerGeometry]) -> None:
+    def _start_scheduler(self, geometries: list[Geometry]) -> None:
         if len(geometries) < self.world_size:
             return  # wait until every rank reported
         first = geometries[0]
         if any(g != first for g in geometries):
             raise RuntimeError(f"kvtier: ranks disagree on the KV layout: {geometries}")
         assert self.groups is not None
-        chunk = self.config.resolve_chunk_tokens(first.block_sizes)
-        geometry = planner_geometry(first, chunk)
+        geometry = first
+        chunk = geometry.chunk_tokens
         num_shards = 1 if self.replicated else self.world_size
-        slab_layout = make_slab_layout(self.config, geometry, num_shards)
+        slab_layout = geometry.slab_layout(self.config, num_shards)
         ns = Namespace(
             model=self.model_name, layout_fingerprint=first.fingerprint,
             kv_cache_dtype=self.kv_cache_dtype, chunk_tokens=chunk,
@@ -405,8 +399,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, self.groups.specs, int(self._kv_cache_config.num_blocks),
             kv_cache_dtype=self.kv_cache_dtype, layers=layers, block_axes=block_axes,
         )
-        self._geometry = worker_geometry(layout)
-        chunk = self.config.resolve_chunk_tokens(self._geometry.block_sizes)
+        chunk = resolve_chunk_tokens(self.config.chunk_tokens,
+                                     [g.spec.block_size for g in layout.groups])
         rank = _rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
@@ -414,9 +408,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self.world_size > 1) else None
         self._worker = OffloadWorker(
             self.config, layout, chunk, rank=rank, world_size=self.world_size,
-            replicated=self.replicated, shm_name=shm, pin=device_is_cuda,
+            replicated=self.replicated, shm_name=shm, pinner=_pinner(device_is_cuda),
             engine_factory=self._engine_factory(device_is_cuda),
         )
+        self._geometry = self._worker.geometry
         transfer = f"cuda {self.config.transfer_path}" if device_is_cuda else "cpu threads"
         logger.info("%s", worker_census(rank, layout, chunk, self._worker.slab_layout.total_bytes,
                                         transfer))
@@ -534,6 +529,15 @@ def _parked_requests_drained_first() -> bool:
     except ImportError:  # pragma: no cover
         return True
     return hasattr(Scheduler, "_holds_kv_blocks")
+
+
+def _pinner(device_is_cuda: bool) -> Any:
+    """The CUDA pinner for a cache on a GPU (vLLM set this worker's device already)."""
+    if not device_is_cuda:
+        return None
+    from kvtier.gpu.pinning import CudaPinner
+
+    return CudaPinner()
 
 
 def _rank() -> int:
