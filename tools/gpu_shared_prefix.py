@@ -110,7 +110,8 @@ def main() -> int:
     }
     if args.config == "kvtier":
         try:  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's counters
-            sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            sched = connector.scheduler_side.scheduler
             st = sched.stats
             res["kvtier"] = {
                 "hit_tokens": st.hit_tokens, "loaded_tokens": st.loaded_tokens,
