@@ -1,4 +1,4 @@
-"""Every layout family of DESIGN.md §2.2 as a portable *recipe*, and the engine round trip
+"""Every layout family of docs/design.md §2.2 as a portable *recipe*, and the engine round trip
 the GPU data path must pass on each.
 
 A recipe records what vLLM registers for one family: the raw buffers (sizes only), every
@@ -495,7 +495,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     fams = live_recipes()
     RECIPES_PATH.write_text(json.dumps({
-        "description": "Layout families of DESIGN.md §2.2 as vLLM registers them (see "
+        "description": "Layout families of docs/design.md §2.2 as vLLM registers them (see "
                        "tests/_families.py); regenerate with `python tests/_families.py`.",
         "families": fams}, indent=1) + "\n")
     print(f"wrote {len(fams)} families to {RECIPES_PATH}")

@@ -1,4 +1,4 @@
-"""The shared-prefix reference run of DESIGN.md §3, offline, one configuration per process.
+"""The shared-prefix reference run of docs/design.md §3, offline, one configuration per process.
 
     python tools/gpu_shared_prefix.py --config kvtier --out $OUT/sp_kvtier.json
     (configs: hbm, big (HBM holding every prefix: 12,000 blocks), kvtier, native; --tp N)

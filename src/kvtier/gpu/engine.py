@@ -16,7 +16,7 @@ Two ways to move a batch of chunks of one KV-cache group, chosen per group by pi
 ``dma_min_piece`` (:data:`DMA_MIN_PIECE`, 256 KiB, measured: ``bench/notes/transfer.md``) and
 ``dma`` otherwise. Both produce exactly the bytes of :mod:`kvtier.codec`.
 
-Ordering (DESIGN.md §2.6, §2.9), with side streams and events only; the host never waits
+Ordering (docs/design.md §2.6, §2.9), with side streams and events only; the host never waits
 (except, in theory, when the pinned id ring wraps onto an upload still in flight):
 
 - A save reads its blocks after an event recorded on the compute stream when the save was
