@@ -53,6 +53,7 @@ class OffloadWorker:
     derives its slab layout and mover from it. ``pinner`` pins the slab for a device's DMA
     (None: not pinned); ``engine_factory`` makes the transfer engine that moves the bytes
     from this worker's :class:`~kvtier.transfer.ChunkMover` (default: the CPU engine).
+    ``self.engine`` is that transfer engine (kvtier's, never vLLM's; docs/design.md §1 Words).
     """
 
     def __init__(
