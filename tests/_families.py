@@ -1,4 +1,4 @@
-"""Every layout family of DESIGN.md §2.2 as a portable *recipe*, and the engine round trip
+"""Every layout family of docs/design.md §2.2 as a portable *recipe*, and the engine round trip
 the GPU data path must pass on each.
 
 A recipe records what vLLM registers for one family: the raw buffers (sizes only), every
@@ -32,12 +32,11 @@ import torch
 
 from _kvcheck import byte_view, expected_block, storage_bytes
 from kvtier import codec
+from kvtier.geometry import Geometry
 from kvtier.layout import GroupKind, GroupSpec, Layout, build_layout
-from kvtier.planner import slot_classes
 from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.slab import HostSlab, lay_out_slab
 from kvtier.transfer import ChunkMover, Completion
-from kvtier.worker import planner_geometry, worker_geometry
 
 ROOT = Path(__file__).resolve().parent
 RECIPES_PATH = ROOT / "data" / "kv_families.json"
@@ -361,15 +360,22 @@ def blocks_per_chunk(layout: Layout, scale: int = 2) -> tuple[int, list[int]]:
 
 def make_mover(layout: Layout, chunk_tokens: int, bpc: list[int], slots: int, pin: bool
                ) -> ChunkMover:
-    geom = planner_geometry(worker_geometry(layout), chunk_tokens)
+    geom = Geometry.of_layout(layout, chunk_tokens)
+    assert list(geom.blocks_per_chunk(g) for g in range(len(geom.groups))) == bpc
     kv = [geom.chunk_bytes(g) for g in geom.kv_groups]
     state = [geom.chunk_bytes(g) for g in geom.state_groups]
     stride = sum(-(-b // 4096) * 4096 for b in kv + state)
     slab_layout = lay_out_slab(stride * slots * 2, kv,
                                state_slot_bytes=max(state) if state else None,
                                state_bytes=(stride * slots) if state else None)
-    slab = HostSlab(slab_layout, pin=pin)
-    return ChunkMover(layout, slab, 0, slot_classes(geom), bpc)
+    slab = HostSlab(slab_layout, pinner=_cuda_pinner() if pin else None)
+    return ChunkMover(layout, geom, slab, 0)
+
+
+def _cuda_pinner() -> Any:
+    from kvtier.gpu.pinning import CudaPinner
+
+    return CudaPinner()
 
 
 def _fill(storages: list[torch.Tensor], gen: torch.Generator) -> None:
@@ -489,7 +495,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     fams = live_recipes()
     RECIPES_PATH.write_text(json.dumps({
-        "description": "Layout families of DESIGN.md §2.2 as vLLM registers them (see "
+        "description": "Layout families of docs/design.md §2.2 as vLLM registers them (see "
                        "tests/_families.py); regenerate with `python tests/_families.py`.",
         "families": fams}, indent=1) + "\n")
     print(f"wrote {len(fams)} families to {RECIPES_PATH}")

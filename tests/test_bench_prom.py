@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvtier.bench import scrape
 from kvtier.planner import Decline
-from kvtier.vllm.prom import COUNTERS, DOCS, GAUGES, KvtierPromMetrics
+from kvtier.vllm.counters import METRICS
+from kvtier.vllm.prom import KvtierPromMetrics
 from kvtier.vllm.stats import KvtierStats
 
 LABELS = {"engine": "0", "model_name": "m"}
@@ -52,13 +53,9 @@ def test_every_series_exists_at_zero_before_traffic(prom: Any) -> None:
     for reason in Decline:
         assert _v(s, "vllm:kvtier_loads_declined_total", reason=reason.value) == 0
     names = {k.partition("{")[0] for k in s}
-    for name, _labels in COUNTERS.values():
-        assert f"vllm:kvtier_{name}_total" in names
-    for name in GAUGES.values():
-        assert f"vllm:kvtier_{name}" in names
-    fixed = {n for n, _ in COUNTERS.values()} | set(GAUGES.values()) | {
-        "loads_declined", "saves_dropped", "occupancy", "transfer_gbps"}
-    assert fixed <= set(DOCS)  # every fixed series has its own documentation
+    for m in METRICS:  # every metric of the table, counters with their _total suffix
+        assert m.full_name in names, m.name
+        assert m.doc  # and its own documentation
 
 
 def test_observe_maps_stats_to_series(prom: Any) -> None:

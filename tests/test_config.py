@@ -14,6 +14,7 @@ from kvtier.config import (
     format_bytes,
     parse_bytes,
 )
+from kvtier.geometry import resolve_chunk_tokens
 
 GiB = 2**30
 MiB = 2**20
@@ -287,18 +288,18 @@ def test_staging_larger_than_dram_says_what_fits() -> None:
 
 
 def test_chunk_size_default_is_a_multiple_of_every_block_size() -> None:
-    c = load()
-    assert c.resolve_chunk_tokens([16]) == 256
-    assert c.resolve_chunk_tokens([16, 64]) == 256
-    assert c.resolve_chunk_tokens([528, 16]) == 528  # mamba hybrids raise attention blocks
-    assert c.resolve_chunk_tokens([96, 64]) == 384
+    c = load().chunk_tokens
+    assert resolve_chunk_tokens(c, [16]) == 256
+    assert resolve_chunk_tokens(c, [16, 64]) == 256
+    assert resolve_chunk_tokens(c, [528, 16]) == 528  # mamba hybrids raise attention blocks
+    assert resolve_chunk_tokens(c, [96, 64]) == 384
 
 
 def test_chunk_size_not_a_multiple_of_the_block_sizes() -> None:
-    c = load({"chunk_tokens": 100})
+    c = load({"chunk_tokens": 100}).chunk_tokens
     with pytest.raises(ConfigError) as e:
-        c.resolve_chunk_tokens([16, 64])
+        resolve_chunk_tokens(c, [16, 64])
     assert "chunk_tokens=64 or 128" in str(e.value) and "LCM is 64" in str(e.value)
-    assert load({"chunk_tokens": 512}).resolve_chunk_tokens([16, 64]) == 512
+    assert resolve_chunk_tokens(load({"chunk_tokens": 512}).chunk_tokens, [16, 64]) == 512
     with pytest.raises(ConfigError, match="chunk_tokens=96"):
-        load({"chunk_tokens": 40}).resolve_chunk_tokens([96])
+        resolve_chunk_tokens(load({"chunk_tokens": 40}).chunk_tokens, [96])

@@ -35,7 +35,7 @@ def test_the_command_line_and_its_defaults() -> None:
     assert full.families == ",".join(FAMILIES) and not full.smoke
 
 
-def _bytes_per_block(geo: cases.Geometry) -> int:
+def _bytes_per_block(geo: cases.CacheCase) -> int:
     """Of the first group (the attention layers), scales on the layers included."""
     layers = set(geo.groups[0][2])
     total = 0
@@ -53,7 +53,7 @@ def _bytes_per_block(geo: cases.Geometry) -> int:
 def test_a_chunk_is_about_its_target_and_the_cache_spans_two_sets(family: str,
                                                                   chunk: int) -> None:
     span = 1 << 30
-    geo = cases.geometry(family, chunk, span)
+    geo = cases.cache_case(family, chunk, span)
     block = _bytes_per_block(geo)
     assert block <= chunk  # a block larger than the chunk is sharded (TP heads, PP layers)
     assert abs(geo.bpc[0] * block - chunk) <= block / 2  # the nearest whole-block chunk
@@ -65,14 +65,14 @@ def test_a_chunk_is_about_its_target_and_the_cache_spans_two_sets(family: str,
 
 def test_an_unknown_family_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown family"):
-        cases.geometry("gqa", MIB, MIB)
+        cases.cache_case("gqa", MIB, MIB)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_cell_has_every_chunk_once_per_direction_and_steps_carry_at_most_a_step(
         family: str) -> None:
     span = 2 * MIB
-    geo = cases.geometry(family, 32 * KIB, span, smoke=True)
+    geo = cases.cache_case(family, 32 * KIB, span, smoke=True)
     host = torch.empty(2 * span + 128 * MIB, dtype=torch.uint8)
     cell = cases.build_cell(geo, "cpu", host, span, seed=1)
     n = cell.sizes["chunks"]

@@ -1,7 +1,7 @@
 """The GPU data path on CPU: Triton gather/scatter (``TRITON_INTERPRET=1``), the DMA
 descriptors (run with memmove) and the whole :class:`CudaTransferEngine` on
 :class:`HostRuntime`, bit-exact against the reference codec on every layout family of
-DESIGN.md §2.2 (``tests/_families.py``), with every byte outside the listed blocks poisoned
+docs/design.md §2.2 (``tests/_families.py``), with every byte outside the listed blocks poisoned
 and checked.
 
 Runs in its own process with ``TRITON_INTERPRET=1`` and no CUDA device visible

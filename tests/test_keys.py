@@ -1,4 +1,4 @@
-"""kvtier.keys: prefix-chained chunk keys under a namespace (DESIGN.md §2.3)."""
+"""kvtier.keys: prefix-chained chunk keys under a namespace (docs/design.md §2.3)."""
 
 from __future__ import annotations
 

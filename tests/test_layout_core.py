@@ -1,6 +1,6 @@
 """kvtier.layout without an engine: block-axis inference, what cannot be segmented, format order.
 
-(The families of DESIGN.md §2.2 are tested on tensors vLLM builds, in test_layout_vllm032.py
+(The families of docs/design.md §2.2 are tested on tensors vLLM builds, in test_layout_vllm032.py
 and test_layout_vllm025.py.)
 """
 

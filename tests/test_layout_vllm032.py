@@ -1,4 +1,4 @@
-"""Layout families of DESIGN.md §2.2 on vLLM 0.32, each built by vLLM's own code.
+"""Layout families of docs/design.md §2.2 on vLLM 0.32, each built by vLLM's own code.
 
 Every test goes specs -> ``get_kv_cache_groups`` -> ``get_kv_cache_config_from_groups`` ->
 ``allocate_kv_cache`` (which calls ``create_kv_cache_views``) and then checks, with

@@ -7,6 +7,7 @@ import hashlib
 import pytest
 
 from kvtier.config import KvtierConfig
+from kvtier.geometry import resolve_chunk_tokens
 from kvtier.index.base import Entry
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.layout import GroupKind
@@ -199,10 +200,10 @@ def test_chunks_to_save_prompt_only_or_with_generated_tokens() -> None:
 def test_chunk_size_must_be_a_multiple_of_every_block_size() -> None:
     with pytest.raises(ValueError, match="multiple of 48"):
         Geometry(64, (GroupGeometry(GroupKind.FULL, 16, 1), GroupGeometry(GroupKind.FULL, 48, 1)))
-    default = KvtierConfig()  # the default chunk: smallest multiple of the LCM >= 256
-    assert default.resolve_chunk_tokens([16, 48]) == 288
-    assert default.resolve_chunk_tokens([32]) == 256
-    assert default.resolve_chunk_tokens([544]) == 544
+    default = KvtierConfig().chunk_tokens  # unset: smallest multiple of the LCM >= 256
+    assert resolve_chunk_tokens(default, [16, 48]) == 288
+    assert resolve_chunk_tokens(default, [32]) == 256
+    assert resolve_chunk_tokens(default, [544]) == 544
 
 
 def test_every_decline_reason_is_covered() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.config import ConfigError
+from kvtier.gpu.pinning import CudaPinner
 from kvtier.slab import HostSlab, SlabError, SlotAllocator, lay_out_slab, pin_ranges
 
 MiB = 2**20
@@ -97,7 +98,7 @@ def test_pinning_without_cuda_is_an_error_not_a_silent_no_op() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: pinning is exercised by the GPU tests")
     with pytest.raises(SlabError, match="CUDA is not available"):
-        HostSlab(lay_out_slab(4 * MiB, [MiB]), pin=True)
+        HostSlab(lay_out_slab(4 * MiB, [MiB]), pinner=CudaPinner())
 
 
 class _RecordingPinner:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import KvtierConfig
+from kvtier.geometry import resolve_chunk_tokens
 from kvtier.slab import SlabError
 from kvtier.vllm import startup
 
@@ -30,7 +31,7 @@ def test_a_config_or_slab_error_becomes_one_line_logged_once(
     caplog.set_level(logging.ERROR, logger="vllm.kvtier")
     for _ in range(2):  # the same failure twice in one process (scheduler and worker halves)
         with pytest.raises(startup.StartupError) as info, startup.failures():
-            config.resolve_chunk_tokens([32])
+            resolve_chunk_tokens(config.chunk_tokens, [32])
         assert isinstance(info.value, ValueError) and info.value.__cause__ is None
         assert str(info.value) == CHUNK_LINE and "\n" not in str(info.value)
     shm = r"^kvtier: /dev/shm has 1 B free; enlarge"
@@ -59,12 +60,13 @@ def test_the_failure_policy_refusal_says_what_and_what_to_do() -> None:
 ENGINE_TREE = """
 import multiprocessing as mp, sys
 from kvtier.config import KvtierConfig
+from kvtier.geometry import resolve_chunk_tokens
 from kvtier.vllm import startup
 
 def engine_process():
     try:
         with startup.failures():
-            KvtierConfig.load({"chunk_tokens": 100}, environ={}).resolve_chunk_tokens([32])
+            resolve_chunk_tokens(KvtierConfig.load({"chunk_tokens": 100}, environ={}).chunk_tokens, [32])
     finally:
         print("engine process: traceback and shutdown lines", file=sys.stderr, flush=True)
     sys.exit(1)
@@ -77,7 +79,7 @@ if __name__ == "__main__":
     if sys.argv[2] == "own":  # the failure in the main program itself (an in-process engine)
         try:
             with startup.failures():
-                KvtierConfig.load({"chunk_tokens": 100}, environ={}).resolve_chunk_tokens([32])
+                resolve_chunk_tokens(KvtierConfig.load({"chunk_tokens": 100}, environ={}).chunk_tokens, [32])
         except ValueError:
             if sys.argv[3] == "handled":
                 print("handled", file=sys.stderr)

@@ -14,12 +14,13 @@ the table this script writes instead of importing 0.25.1 at test time.
 Usage::
 
     . .venv/bin/activate
-    PYTHONPATH=/tmp/vllm025 python tools/gen_vllm025_layouts.py
-    python tools/gen_vllm025_layouts.py /tmp/vllm025 -o tests/data/vllm025_kv_layouts.json
+    PYTHONPATH=.cache/vllm-0.25.1 python tools/gen_vllm025_layouts.py
+    python tools/gen_vllm025_layouts.py .cache/vllm-0.25.1 -o tests/data/vllm025_kv_layouts.json
 
 The positional argument is the directory that *contains* the ``vllm`` package
 (default: ``$VLLM025_PATH``, else the first ``$PYTHONPATH`` entry holding a ``vllm``
-package, else ``/tmp/vllm025``); it is put first on sys.path.
+package, else ``.cache/vllm-0.25.1`` (scripts/fetch_vllm025.sh unpacks it there)); it is put
+first on sys.path.
 
 For every backend class the script records, per parameter set, the result of
 ``get_kv_cache_shape`` and ``get_kv_cache_stride_order`` (both values of
@@ -959,7 +960,7 @@ def _default_vllm_parent() -> str:
     for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         if entry and (Path(entry) / "vllm" / "__init__.py").is_file():
             return entry
-    return "/tmp/vllm025"
+    return ".cache/vllm-0.25.1"
 
 
 def main(argv: list[str] | None = None) -> int:

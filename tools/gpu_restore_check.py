@@ -1,6 +1,6 @@
-"""The restore check on a GPU with vLLM from the gpu-kit (0.25.1), for the closing notes.
+"""The restore check on a GPU with vLLM 0.25.1 (docs/design.md §5); results in bench/results/.
 
-    PYTHONPATH=/tmp/site:src VLLM_USE_FLASHINFER_SAMPLER=0 \\
+    PYTHONPATH=<site dir of vLLM 0.25.1>:src VLLM_USE_FLASHINFER_SAMPLER=0 \\
         python tools/gpu_restore_check.py --tokens 16384 --tp 1 --out $OUT/restore_tp1.json
 
 A Llama-3.1-8B-shaped model with dummy weights (bf16; re-drawn so the output depends on the

@@ -1,4 +1,4 @@
-"""The shared-prefix reference run of DESIGN.md §3, offline, one configuration per process.
+"""The shared-prefix reference run of docs/design.md §3, offline, one configuration per process.
 
     python tools/gpu_shared_prefix.py --config kvtier --out $OUT/sp_kvtier.json
     (configs: hbm, big (HBM holding every prefix: 12,000 blocks), kvtier, native; --tp N)
@@ -110,7 +110,8 @@ def main() -> int:
     }
     if args.config == "kvtier":
         try:  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's counters
-            sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            sched = connector.scheduler_side.scheduler
             st = sched.stats
             res["kvtier"] = {
                 "hit_tokens": st.hit_tokens, "loaded_tokens": st.loaded_tokens,

@@ -19,13 +19,12 @@ Contract:
   names a setting is ignored with a warning.
 - Impossible combinations are rejected at start-up with what to write instead, including a
   chunk size that is not a multiple of every KV-cache group's block size
-  (:meth:`KvtierConfig.resolve_chunk_tokens`).
+  (:func:`kvtier.geometry.resolve_chunk_tokens`, where the chunk geometry lives).
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -41,7 +40,6 @@ DICT_PREFIX = "kvtier."
 # KVTIER_ variables that are not settings: switches of scripts/test.sh, and the file a
 # kvtier-aware parent hands its engine processes for start-up failures (kvtier.vllm.startup).
 NON_SETTING_ENV = frozenset({"KVTIER_SOAK", "KVTIER_STARTUP_REPORT"})
-DEFAULT_MIN_CHUNK_TOKENS = 256
 DEFAULT_DRAM_SIZE = 4 * 2**30
 DEFAULT_STAGING_SIZE = 256 * 2**20
 
@@ -304,29 +302,6 @@ class KvtierConfig(BaseModel):
             return cls.model_validate(values)
         except ValidationError as e:
             raise ConfigError(_explain(e, source)) from None
-
-    def resolve_chunk_tokens(self, block_sizes: Sequence[int]) -> int:
-        """The chunk size for KV-cache groups with these block sizes (tokens).
-
-        Default: the smallest multiple of their LCM that is at least 256. A configured
-        ``chunk_tokens`` must be a multiple of every block size; otherwise the error says
-        which values would work.
-        """
-        if not block_sizes or any(b <= 0 for b in block_sizes):
-            raise ConfigError(f"block sizes must be positive, got {list(block_sizes)}")
-        lcm = math.lcm(*block_sizes)
-        if self.chunk_tokens is None:
-            return lcm * max(1, -(-DEFAULT_MIN_CHUNK_TOKENS // lcm))
-        if self.chunk_tokens % lcm:
-            lower = self.chunk_tokens // lcm * lcm
-            upper = lower + lcm
-            choices = " or ".join(str(v) for v in (lower, upper) if v > 0)
-            raise ConfigError(
-                f"kvtier setting 'chunk_tokens' ({self.chunk_tokens}) is not a multiple of "
-                f"every KV-cache block size {sorted(set(block_sizes))} (their LCM is {lcm}): "
-                f"write chunk_tokens={choices}, or leave it unset"
-            )
-        return self.chunk_tokens
 
 
 def _warn_if_misspelt_prefix(var: str, names: Sequence[str]) -> None:

@@ -189,6 +189,19 @@ def _pick_block_axis(
     return candidates[0]
 
 
+@dataclass(frozen=True)
+class _BlockSplit:
+    """How one tensor's dimensions divide around its block axis (see the module docstring)."""
+
+    axis: int  # index of the block axis
+    ratio: int  # kernel blocks per manager block
+    block_stride: int  # bytes from one block to the next
+    outer: list[tuple[int, int, int]]  # (index, size, byte stride), memory order
+    run: int  # bytes of the dense run
+    run_dims: list[tuple[int, int, int]]  # the inner dims that make up the run
+    piece_dims: list[tuple[int, int, int]]  # the inner dims with gaps: one run per index
+
+
 def segment_tensor(
     name: str,
     t: torch.Tensor,
@@ -219,6 +232,18 @@ def segment_tensor(
         axis = dims[block_axis % t.dim()]
         if axis[1] % num_blocks or axis[1] == 0:
             raise fail(f"dim {axis[0]} is not a multiple of num_blocks")
+    split = _split_around(dims, axis, num_blocks, es, fail)
+    segments = _segments_of(name, t, role, num_blocks, split)
+    for s in segments:
+        lo, hi = s.offset, s.offset + (num_blocks - 1) * s.block_stride + s.run
+        if lo < 0 or hi > s.storage.numel():
+            raise fail("the view reaches outside its storage")
+    return segments
+
+
+def _split_around(dims: list[tuple[int, int, int]], axis: tuple[int, int, int],
+                  num_blocks: int, es: int, fail: Callable[[str], LayoutError]) -> _BlockSplit:
+    """Outer dims, the dense run and the pieces of a block; errors for overlapping bytes."""
     a_idx, a_size, a_stride = axis
     ratio = a_size // num_blocks
     if a_size > 1 and a_stride <= 0:
@@ -257,13 +282,19 @@ def segment_tensor(
         if stride < region:
             raise fail("a dimension outside the block axis overlaps the blocks")
         region += stride * (size - 1)
-    n_outer = math.prod(d[1] for d in outer)
-    n_pieces = math.prod(d[1] for d in piece_dims)
-    if n_outer * n_pieces > MAX_SEGMENTS_PER_TENSOR:
-        raise fail(f"{n_outer * n_pieces} pieces per block, more than {MAX_SEGMENTS_PER_TENSOR}")
+    n_pieces = math.prod(d[1] for d in outer) * math.prod(d[1] for d in piece_dims)
+    if n_pieces > MAX_SEGMENTS_PER_TENSOR:
+        raise fail(f"{n_pieces} pieces per block, more than {MAX_SEGMENTS_PER_TENSOR}")
+    return _BlockSplit(a_idx, ratio, block_stride, outer, run, inner[:k], piece_dims)
+
+
+def _segments_of(name: str, t: torch.Tensor, role: str, num_blocks: int,
+                 split: _BlockSplit) -> list[Segment]:
+    """One segment per outer index combination and piece, in memory order."""
+    outer, piece_dims, a_idx = split.outer, split.piece_dims, split.axis
     storage = _byte_storage(t)
-    base = t.storage_offset() * es
-    inner_desc = tuple((size, stride) for _, size, stride in inner[:k])
+    base = t.storage_offset() * t.element_size()
+    inner_desc = tuple((size, stride) for _, size, stride in split.run_dims)
     piece_desc = tuple((size, stride) for _, size, stride in piece_dims)
     # Pieces in memory order (outermost piece dim first): offsets increase.
     piece_offsets = [0]
@@ -271,7 +302,7 @@ def segment_tensor(
         piece_offsets = [o + i * stride for o in piece_offsets for i in range(size)]
     split_kv = len(outer) == 1 and outer[0][1] == 2 and role == "kv"
     segments = []
-    for flat in range(n_outer):
+    for flat in range(math.prod(d[1] for d in outer)):
         idx, rem, off = [], flat, base
         for _, size, stride in reversed(outer):
             rem, i = divmod(rem, size)
@@ -288,16 +319,12 @@ def segment_tensor(
             r = part_role if len(piece_offsets) == 1 else f"{part_role}.p{j}"
             segments.append(Segment(
                 layer=name, role=r, layer_index=layer_index(name), storage=storage,
-                offset=off + p_off, block_stride=block_stride, run=run,
+                offset=off + p_off, block_stride=split.block_stride, run=split.run,
                 num_blocks=num_blocks, order=len(segments),
                 describe=(name, r, str(t.dtype), tuple(t.shape[:a_idx]),
-                          tuple(t.shape[a_idx + 1:]), ratio, inner_desc, piece_desc, p_off,
-                          run),
+                          tuple(t.shape[a_idx + 1:]), split.ratio, inner_desc, piece_desc,
+                          p_off, split.run),
             ))
-    for s in segments:
-        lo, hi = s.offset, s.offset + (num_blocks - 1) * s.block_stride + s.run
-        if lo < 0 or hi > storage.numel():
-            raise fail("the view reaches outside its storage")
     return segments
 
 

@@ -1,6 +1,7 @@
 """What to do about a request: how much kvtier can supply, whether loading pays, what to save.
 
-Pure functions over the index and plain numbers; the connector calls them.
+Pure functions over the index and the :class:`~kvtier.geometry.Geometry`; the scheduler
+calls them.
 
 - :func:`find_hit`: the longest boundary (in whole chunks) kvtier can restore beyond the HBM
   hit: every full-attention group stores the whole prefix, every sliding-window group the
@@ -19,10 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.config import KvtierConfig
+from kvtier.geometry import Geometry, GroupGeometry, make_slab_layout
 from kvtier.index.base import Index
 from kvtier.layout import GroupKind
-from kvtier.slab import SlabLayout, lay_out_slab
+
+# Geometry, GroupGeometry and make_slab_layout live in kvtier.geometry; they stay importable
+# from here, where the planner's callers (and the step (a) unit tests) have always found them.
+__all__ = [
+    "CostEstimates", "Decline", "Geometry", "GroupGeometry", "Hit", "LoadCost",
+    "chunks_to_save", "decide_load", "find_hit", "load_bytes", "load_cost", "make_slab_layout",
+]
 
 
 class Decline(str, Enum):
@@ -37,62 +44,6 @@ class Decline(str, Enum):
     LOAD_BOUND = "too_many_loads_in_flight"
     LOADS_DISABLED = "loads_disabled"
     DEFERRED = "lookup_deferred"
-
-
-@dataclass(frozen=True)
-class GroupGeometry:
-    kind: GroupKind
-    block_size: int
-    bytes_per_block: int  # on one rank
-    sliding_window: int | None = None
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The model as the planner sees it: chunk size and the groups' shapes (index order)."""
-
-    chunk_tokens: int
-    groups: tuple[GroupGeometry, ...]
-
-    def __post_init__(self) -> None:
-        for g in self.groups:
-            if self.chunk_tokens % g.block_size:
-                raise ValueError(
-                    f"chunk_tokens {self.chunk_tokens} is not a multiple of block size "
-                    f"{g.block_size}: use a multiple of {lcm_block_size(self.groups)}"
-                )
-
-    def blocks_per_chunk(self, group: int) -> int:
-        return self.chunk_tokens // self.groups[group].block_size
-
-    def chunk_bytes(self, group: int) -> int:
-        g = self.groups[group]
-        if g.kind is GroupKind.STATE:
-            return g.bytes_per_block
-        return self.blocks_per_chunk(group) * g.bytes_per_block
-
-    @property
-    def kv_groups(self) -> list[int]:
-        return [i for i, g in enumerate(self.groups) if g.kind is not GroupKind.STATE]
-
-    @property
-    def state_groups(self) -> list[int]:
-        return [i for i, g in enumerate(self.groups) if g.kind is GroupKind.STATE]
-
-    def window_chunks(self, group: int, boundary: int) -> range:
-        """Chunks of a sliding-window group needed to continue at ``boundary``."""
-        w = self.groups[group].sliding_window or 0
-        first = max(0, (boundary * self.chunk_tokens - w) // self.chunk_tokens)
-        return range(first, boundary)
-
-
-def lcm_block_size(groups: Sequence[GroupGeometry]) -> int:
-    from math import lcm
-
-    out = 1
-    for g in groups:
-        out = lcm(out, g.block_size)
-    return out
 
 
 @dataclass(frozen=True)
@@ -122,12 +73,11 @@ def find_hit(
     if max_b <= 0:
         return Hit.declined(Decline.TOO_SHORT)
     upper = max_b
-    for g in geometry.kv_groups:
-        if geometry.groups[g].kind is GroupKind.FULL:
-            matched = index.match(g, keys[:upper])
-            if matched is None:
-                return Hit.declined(Decline.DEFERRED)
-            upper = min(upper, matched)
+    for g in geometry.full_groups:
+        matched = index.match(g, keys[:upper])
+        if matched is None:
+            return Hit.declined(Decline.DEFERRED)
+        upper = min(upper, matched)
     if upper == 0:
         return Hit.declined(Decline.MISS)
     min_b = hbm_tokens // c + 1
@@ -142,32 +92,26 @@ def find_hit(
     return Hit.declined(first_failure or Decline.MISS)
 
 
+_MISSING: dict[GroupKind, Decline] = {
+    GroupKind.FULL: Decline.MISS,
+    GroupKind.SLIDING_WINDOW: Decline.WINDOW_MISSING,
+    GroupKind.STATE: Decline.STATE_MISSING,
+}
+"""Why a hit at a boundary fails when a group lacks a chunk it needs there."""
+
+
 def _boundary_failure(
     index: Index, geometry: Geometry, keys: Sequence[bytes], b: int
 ) -> Decline | None:
     for g, gg in enumerate(geometry.groups):
-        if gg.kind is GroupKind.SLIDING_WINDOW:
-            if not all(index.is_ready(g, keys[j]) for j in geometry.window_chunks(g, b)):
-                return Decline.WINDOW_MISSING
-        elif gg.kind is GroupKind.STATE and not index.is_ready(g, keys[b - 1]):
-            return Decline.STATE_MISSING
+        if not all(index.is_ready(g, keys[j]) for j in geometry.chunks_checked_at(g, b)):
+            return _MISSING[gg.kind]
     return None
 
 
 def load_bytes(geometry: Geometry, boundary: int, hbm_tokens: int) -> int:
     """Bytes one rank reads to restore tokens [hbm_tokens, boundary * chunk_tokens)."""
-    end = boundary * geometry.chunk_tokens
-    total = 0
-    for g, gg in enumerate(geometry.groups):
-        if gg.kind is GroupKind.STATE:
-            total += gg.bytes_per_block
-            continue
-        start = hbm_tokens
-        if gg.kind is GroupKind.SLIDING_WINDOW:
-            start = max(start, geometry.window_chunks(g, boundary).start * geometry.chunk_tokens)
-        first_block = start // gg.block_size
-        total += max(0, end // gg.block_size - first_block) * gg.bytes_per_block
-    return total
+    return geometry.load_bytes(boundary, hbm_tokens)
 
 
 @dataclass
@@ -240,23 +184,3 @@ def chunks_to_save(
     limit = computed_tokens if save_generated else min(computed_tokens, num_prompt_tokens)
     last = min(limit // chunk_tokens, num_keys)
     return range(first_unsaved, max(first_unsaved, last))
-
-
-def make_slab_layout(config: KvtierConfig, geometry: Geometry, num_shards: int) -> SlabLayout:
-    """The slab layout both halves derive, identically, from config and KV layout."""
-    kv = [geometry.chunk_bytes(g) for g in geometry.kv_groups]
-    state = [geometry.chunk_bytes(g) for g in geometry.state_groups]
-    return lay_out_slab(
-        config.dram_size, kv, num_shards=num_shards,
-        state_slot_bytes=max(state) if state else None, state_bytes=config.state_size,
-    )
-
-
-def slot_classes(geometry: Geometry) -> list[int]:
-    kv = geometry.kv_groups
-    out = [0] * len(geometry.groups)
-    for i, g in enumerate(kv):
-        out[g] = i
-    for g in geometry.state_groups:
-        out[g] = len(kv)
-    return out

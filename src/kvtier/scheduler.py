@@ -11,7 +11,7 @@ engine adapter calls:
    against in-flight saves), then saves, then the plan;
 3. ``on_report`` with the workers' summed :class:`WorkerReport` of each finished step.
 
-Contracts (DESIGN.md §2):
+Contracts (docs/design.md §2):
 - A load is decided in ``lookup`` and pinned in ``start_load``; the pins end only when every
   worker reported the load job, success or failure. A failed load marks the request so the
   same hit is never offered again.
@@ -33,26 +33,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
+from kvtier.geometry import NULL_BLOCK, Geometry
 from kvtier.index.base import Entry
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.keys import ExtraKeysFn, RequestKeys
-from kvtier.layout import GroupKind
 from kvtier.planner import (
     CostEstimates,
     Decline,
-    Geometry,
     Hit,
     chunks_to_save,
     decide_load,
     find_hit,
-    slot_classes,
 )
 from kvtier.policy import make_admission, make_policy
-from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
+from kvtier.protocol import Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
-
-NULL_BLOCK = 0
-"""vLLM's placeholder block id (skipped sliding-window positions)."""
 
 
 @dataclass
@@ -161,15 +156,17 @@ class OffloadScheduler:
         self.namespace = namespace
         self.world_size = world_size
         self.loads_enabled = loads_enabled
-        self.slot_class = slot_classes(geometry)
+        self.slot_class = list(geometry.slot_classes)
+        full = set(geometry.full_groups)
+        state = set(geometry.state_groups)
         specs = []
-        for g, gg in enumerate(geometry.groups):
+        for g in range(len(geometry.groups)):
             cls = self.slot_class[g]
             specs.append(GroupIndexSpec(
                 slot_class=cls,
                 policy=make_policy(config.policy, slab_layout.classes[cls].num_slots, config),
-                chained=gg.kind is GroupKind.FULL,
-                boundary_state=gg.kind is GroupKind.STATE,
+                chained=g in full,
+                boundary_state=g in state,
             ))
         self.allocator = SlotAllocator.for_layout(slab_layout)
         self.index = MemoryIndex(specs, self.allocator)
@@ -255,24 +252,18 @@ class OffloadScheduler:
         hit, hbm = st.pending_hit
         st.pending_hit = None
         self._set_blocks(st, block_ids)
-        c = self.geometry.chunk_tokens
+        geo = self.geometry
         entries: list[Entry] = []
         ops: list[TransferOp] = []
-        first_chunk = hbm // c
-        for g, gg in enumerate(self.geometry.groups):
-            if gg.kind is GroupKind.STATE:
-                chunks = range(hit.boundary - 1, hit.boundary)
-            elif gg.kind is GroupKind.SLIDING_WINDOW:
-                window = self.geometry.window_chunks(g, hit.boundary)
-                chunks = range(max(first_chunk, window.start), hit.boundary)
-            else:
-                chunks = range(first_chunk, hit.boundary)
+        first_chunk = hbm // geo.chunk_tokens
+        for g in range(len(geo.groups)):
+            chunks = geo.chunks_to_load(g, first_chunk, hit.boundary)
             keys = [st.keys.keys[j] for j in chunks]
             pinned = self.index.pin(g, keys)
             self.index.touch(g, keys)
             entries += pinned
             for j, e in zip(chunks, pinned):
-                ops.append(TransferOp(g, e.slot, self._load_blocks(st, g, j, hbm)))
+                ops.append(TransferOp(g, e.slot, geo.blocks_to_load(g, st.block_ids[g], j, hbm)))
         job = Job(next(self._job_ids), req_id, ops)
         n_chunks = hit.boundary - first_chunk
         self.jobs[job.job_id] = _JobState(job, JobKind.LOAD, entries, [], n_chunks, hit.tokens)
@@ -285,25 +276,6 @@ class OffloadScheduler:
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
         return job
-
-    def _load_blocks(self, st: RequestState, g: int, chunk: int, hbm_tokens: int) -> list[int]:
-        gg = self.geometry.groups[g]
-        if gg.kind is GroupKind.STATE:
-            return [self._state_block(st, g, (chunk + 1) * self.geometry.chunk_tokens)]
-        bpc = self.geometry.blocks_per_chunk(g)
-        first = chunk * bpc
-        ids = st.block_ids[g][first:first + bpc]
-        first_needed = hbm_tokens // gg.block_size  # blocks below are the HBM hit: shared
-        if len(ids) == bpc and first >= first_needed and NULL_BLOCK not in ids:
-            return ids
-        ids += [NULL_BLOCK] * (bpc - len(ids))
-        return [SKIP if first + i < first_needed or b == NULL_BLOCK else b
-                for i, b in enumerate(ids)]
-
-    def _state_block(self, st: RequestState, g: int, boundary_tokens: int) -> int:
-        """The block of a state group holding the state after ``boundary_tokens`` tokens."""
-        idx = boundary_tokens // self.geometry.groups[g].block_size - 1
-        return st.block_ids[g][idx]
 
     def on_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]] | None,
                   replace: bool = False) -> None:
@@ -373,23 +345,15 @@ class OffloadScheduler:
     ) -> SaveDrop | None:
         key = st.keys.keys[j]
         parent = st.keys.keys[j - 1] if j > 0 else None
-        c = self.geometry.chunk_tokens
         wanted: list[tuple[int, list[int]]] = []
-        for g, gg in enumerate(self.geometry.groups):
+        for g in range(len(self.geometry.groups)):
             if self.index.get(g, key) is not None:
                 continue  # stored or being written: never twice
-            if gg.kind is GroupKind.STATE:
-                if computed_after_step != (j + 1) * c:
-                    continue  # state exists only where a step ended exactly
-                wanted.append((g, [self._state_block(st, g, (j + 1) * c)]))
-                continue
-            bpc = self.geometry.blocks_per_chunk(g)
-            ids = st.block_ids[g][j * bpc:(j + 1) * bpc]
-            if len(ids) < bpc or NULL_BLOCK in ids:
-                if gg.kind is GroupKind.SLIDING_WINDOW:
-                    continue  # out of the window already: not needed for any later hit
-                return SaveDrop.BLOCKS_MISSING
-            wanted.append((g, list(ids)))
+            ids = self.geometry.blocks_to_save(g, st.block_ids[g], j, computed_after_step)
+            if isinstance(ids, SaveDrop):
+                return ids
+            if ids is not None:
+                wanted.append((g, ids))
         if not wanted:
             return None
         if self._pending_save_chunks + 1 > self.config.max_pending_saves:

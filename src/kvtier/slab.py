@@ -164,14 +164,6 @@ class Pinner(Protocol):
         ...
 
 
-def _cuda_pinner() -> Pinner:
-    """The CUDA pinner, for callers that still ask with ``pin=True`` (transitional: the worker
-    is to pass ``pinner=`` itself; then ``pin`` goes and the core names no GPU module)."""
-    from kvtier.gpu.pinning import CudaPinner
-
-    return CudaPinner()
-
-
 class HostSlab:
     """The slab's memory in one process: every shard mapped, this rank's shard writable.
 
@@ -180,15 +172,13 @@ class HostSlab:
     segment is reserved up front and already unlinked when this returns). None: private
     memory.
     ``pinner``: pins the memory, in :func:`pin_ranges` of at most ``pin_step`` bytes, and
-    unpins it at ``close``; None: not pinned. ``pin=True`` without a pinner means the CUDA
-    pinner.
+    unpins it at ``close``; None: not pinned.
     """
 
     def __init__(
         self,
         layout: SlabLayout,
         shared: SharedSlab | None = None,
-        pin: bool = False,
         pin_step: int = 2**30,
         pinner: Pinner | None = None,
     ) -> None:
@@ -197,8 +187,6 @@ class HostSlab:
         self._mmap: mmap.mmap | None = None
         self._registered: list[int] = []
         self._pinner: Pinner | None = None
-        if pinner is None and pin:
-            pinner = _cuda_pinner()  # before any memory exists: a refusal leaves nothing behind
         total = layout.total_bytes
         if shared is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)

@@ -21,7 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtier import codec
-from kvtier.layout import GroupKind, Layout
+from kvtier.geometry import Geometry
+from kvtier.layout import Layout
 from kvtier.protocol import SKIP, Job, JobKind, TransferOp
 from kvtier.slab import HostSlab
 
@@ -76,31 +77,30 @@ class TransferEngine(ABC):
 
 
 class ChunkMover:
-    """The codec applied to one job's ops against one slab shard."""
+    """The codec applied to one job's ops against one slab shard: chunk ``j`` of group ``g``
+    is ``geometry.blocks_per_chunk(g)`` blocks of ``layout``'s group ``g``, in a slot of
+    class ``geometry.slot_classes[g]``."""
 
-    def __init__(self, layout: Layout, slab: HostSlab, shard: int, slot_class: Sequence[int],
-                 blocks_per_chunk: Sequence[int]) -> None:
+    def __init__(self, layout: Layout, geometry: Geometry, slab: HostSlab, shard: int) -> None:
         self.layout = layout
+        self.geometry = geometry
         self.slab = slab
         self.shard = shard
-        self.slot_class = slot_class
-        self.blocks_per_chunk = blocks_per_chunk
-
-    def _bpc(self, op: TransferOp) -> int:
-        if self.layout.groups[op.group].spec.kind is GroupKind.STATE:
-            return 1
-        return self.blocks_per_chunk[op.group]
+        self.slot_class = geometry.slot_classes
+        self.blocks_per_chunk = tuple(geometry.blocks_per_chunk(g)
+                                      for g in range(len(geometry.groups)))
 
     def save_op(self, op: TransferOp) -> int:
         group = self.layout.groups[op.group]
         dst = self.slab.view(self.slot_class[op.group], op.slot, self.shard)
-        codec.gather(group, op.block_ids, self._bpc(op), dst)
-        return codec.chunk_bytes(group, self._bpc(op))
+        bpc = self.blocks_per_chunk[op.group]
+        codec.gather(group, op.block_ids, bpc, dst)
+        return codec.chunk_bytes(group, bpc)
 
     def load_op(self, op: TransferOp) -> int:
         group = self.layout.groups[op.group]
         src = self.slab.view(self.slot_class[op.group], op.slot, self.shard)
-        bpc = self._bpc(op)
+        bpc = self.blocks_per_chunk[op.group]
         if SKIP not in op.block_ids:
             codec.scatter(group, op.block_ids, bpc, src)
             return codec.chunk_bytes(group, bpc)

@@ -18,46 +18,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
-from kvtier.layout import GroupKind, Layout
+from kvtier.geometry import Geometry
+from kvtier.layout import Layout
 from kvtier.log import get_logger
-from kvtier.planner import Geometry, GroupGeometry, make_slab_layout, slot_classes
 from kvtier.protocol import Job, JobKind, StepPlan, WorkerReport
 from kvtier.shm import SharedSlab
-from kvtier.slab import HostSlab
+from kvtier.slab import HostSlab, Pinner
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
 
 logger = get_logger("worker")
-
-
-@dataclass(frozen=True)
-class WorkerGeometry:
-    """What a worker tells the scheduler about its layout (identical on every rank)."""
-
-    fingerprint: str
-    bytes_per_block: tuple[int, ...]
-    kinds: tuple[str, ...]
-    block_sizes: tuple[int, ...]
-    windows: tuple[int | None, ...]
-
-
-def worker_geometry(layout: Layout) -> WorkerGeometry:
-    return WorkerGeometry(
-        fingerprint=layout.fingerprint,
-        bytes_per_block=tuple(g.bytes_per_block for g in layout.groups),
-        kinds=tuple(g.spec.kind.value for g in layout.groups),
-        block_sizes=tuple(g.spec.block_size for g in layout.groups),
-        windows=tuple(g.spec.sliding_window for g in layout.groups),
-    )
-
-
-def planner_geometry(wg: WorkerGeometry, chunk_tokens: int) -> Geometry:
-    return Geometry(chunk_tokens, tuple(
-        GroupGeometry(GroupKind(k), bs, b, w)
-        for k, bs, b, w in zip(wg.kinds, wg.block_sizes, wg.bytes_per_block, wg.windows)
-    ))
 
 
 @dataclass
@@ -75,8 +47,15 @@ class StepResult:
 
 
 class OffloadWorker:
-    """One rank's worker half. ``engine_factory`` makes the engine that moves the bytes
-    from this worker's :class:`~kvtier.transfer.ChunkMover` (default: the CPU engine)."""
+    """One rank's worker half.
+
+    It builds the :class:`~kvtier.geometry.Geometry` of ``layout`` at ``chunk_tokens`` once
+    (``self.geometry``: what the scheduler half is told in the start-up handshake) and
+    derives its slab layout and mover from it. ``pinner`` pins the slab for a device's DMA
+    (None: not pinned); ``engine_factory`` makes the transfer engine that moves the bytes
+    from this worker's :class:`~kvtier.transfer.ChunkMover` (default: the CPU engine).
+    ``self.engine`` is that transfer engine (kvtier's, never vLLM's; docs/design.md §1 Words).
+    """
 
     def __init__(
         self,
@@ -87,7 +66,7 @@ class OffloadWorker:
         world_size: int = 1,
         replicated: bool = False,
         shared: SharedSlab | None = None,
-        pin: bool = False,
+        pinner: Pinner | None = None,
         engine_factory: Callable[[ChunkMover], TransferEngine] | None = None,
     ) -> None:
         self.config = config
@@ -95,18 +74,14 @@ class OffloadWorker:
         self.rank = rank
         self.world_size = world_size
         self.replicated = replicated
-        self.geometry = planner_geometry(worker_geometry(layout), chunk_tokens)
+        self.geometry = Geometry.of_layout(layout, chunk_tokens)
         num_shards = 1 if replicated else world_size
-        self.slab_layout = make_slab_layout(config, self.geometry, num_shards)
+        self.slab_layout = self.geometry.slab_layout(config, num_shards)
         self.slab = HostSlab(self.slab_layout, shared=shared if world_size > 1 else None,
-                             pin=pin, pin_step=config.pin_step_size)
+                             pinner=pinner, pin_step=config.pin_step_size)
         shard = 0 if replicated else rank
         self.writes = not replicated or rank == 0
-        self.mover = ChunkMover(
-            layout, self.slab, shard, slot_classes(self.geometry),
-            [self.geometry.blocks_per_chunk(g) if self.geometry.groups[g].kind
-             is not GroupKind.STATE else 1 for g in range(len(self.geometry.groups))],
-        )
+        self.mover = ChunkMover(layout, self.geometry, self.slab, shard)
         self.engine: TransferEngine = (
             engine_factory(self.mover) if engine_factory is not None
             else ThreadedTransferEngine(self.mover))

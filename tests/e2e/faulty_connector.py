@@ -46,6 +46,6 @@ def rpc_faults(worker: Any) -> dict[str, int]:
     """For ``LLM.collective_rpc``: this rank's switches and how many faults fired."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    engine = get_kv_transfer_group()._worker.engine
+    engine = get_kv_transfer_group().worker_side.worker.engine
     assert isinstance(engine, FaultyEngine)
     return {name: getattr(engine, name) for name in (*SWITCHES, "injected")}

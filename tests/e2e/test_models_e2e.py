@@ -30,7 +30,7 @@ def _run(model_dir: str, shutdown_now: list[Any], prompts: list[list[int]]) -> A
 def test_mla_deepseek_v2_lite_shape(tmp_path: Any, shutdown_now: list[Any]) -> None:
     h = _run(tiny_deepseek_v2(str(tmp_path / "dsv2")), shutdown_now,
              [prompt(3 * 256 + 5, seed=3)])
-    layout = h.worker_connector._worker.layout
+    layout = h.worker_connector.worker_side.worker.layout
     (group,) = layout.groups
     # MLA's latent rows: 576 values per token, one segment per layer (merged or not)
     assert group.bytes_per_block == 2 * group.spec.block_size * 576 * 4

@@ -96,7 +96,7 @@ def test_transfers_held_in_flight_abort_preempt_and_reuse(engine: Any) -> None:
     No hang, no engine assertion, no corrupted chunk; pins, jobs and slots return to zero."""
     sched = engine.kvtier
     eng = engine.llm.llm_engine
-    worker = engine.worker_connector._worker
+    worker = engine.worker_connector.worker_side.worker
     engine.llm.reset_prefix_cache()
     parked_prompt = prompt(3 * C + 5, seed=51)
     generate(engine, [parked_prompt], greedy())  # stored without holding

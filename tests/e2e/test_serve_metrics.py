@@ -26,7 +26,7 @@ from kvtier.bench.client import LoadShape, drive
 from kvtier.bench.serving import free_port
 from kvtier.bench.workloads import NoReuse, SharedPrefix
 from kvtier.planner import Decline
-from kvtier.vllm.prom import COUNTERS, GAUGES
+from kvtier.vllm.counters import METRICS
 
 pytestmark = pytest.mark.e2e
 
@@ -100,12 +100,8 @@ def test_metrics_carry_every_kvtier_series(server: tuple[str, str]) -> None:
 
     # every series kvtier defines is there
     names = {k.partition("{")[0] for k in s}
-    for name, _labels in COUNTERS.values():
-        assert f"vllm:kvtier_{name}_total" in names
-    for name in GAUGES.values():
-        assert f"vllm:kvtier_{name}" in names
-    for extra in ("occupancy", "transfer_gbps"):
-        assert f"vllm:kvtier_{extra}" in names
+    for m in METRICS:  # counters with their _total suffix, gauges and derived gauges
+        assert m.full_name in names, m.name
 
     # restores: round 2 of the shared prefixes came (mostly) from kvtier
     restored = _v(s, "vllm:kvtier_restored_tokens_total")

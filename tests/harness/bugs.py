@@ -16,7 +16,8 @@ from typing import Any
 from kvtier.index.memory import MemoryIndex
 from kvtier.scheduler import OffloadScheduler, RequestState
 from kvtier.transfer import ChunkMover, Completion
-from kvtier.vllm.connector import KvtierConnector
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.worker_side import WorkerSide
 from kvtier.worker import OffloadWorker, StepResult
 
 
@@ -42,27 +43,26 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 # -- (1) no fence in handle_preemptions -------------------------------------------------------
 def no_fence() -> contextlib.AbstractContextManager[None]:
-    def handle_preemptions(self: KvtierConnector, kv_connector_metadata: Any = None,
-                           **kwargs: Any) -> None:
+    def handle_preemptions(self: WorkerSide, kv_connector_metadata: Any) -> None:
         plan, _ = self._step_plan(kv_connector_metadata)
-        if self._worker is not None and plan is not None:
+        if self.worker is not None and plan is not None:
             self._fenced_step = plan.step  # claims the step was fenced, fences nothing
 
-    return _patched(KvtierConnector, "handle_preemptions", handle_preemptions)
+    return _patched(WorkerSide, "handle_preemptions", handle_preemptions)
 
 
 # -- (2) a duplicated finished_recving --------------------------------------------------------
 def duplicate_recving() -> contextlib.AbstractContextManager[None]:
-    original = KvtierConnector._collect
+    original = WorkerSide._collect
 
-    def _collect(self: KvtierConnector) -> StepResult:
+    def _collect(self: WorkerSide) -> StepResult:
         res = original(self)
         again = getattr(self, "_bug_again", set())
         self._bug_again = set(res.finished_loads)  # type: ignore[attr-defined]
         res.finished_loads |= again  # last step's loads are reported once more
         return res
 
-    return _patched(KvtierConnector, "_collect", _collect)
+    return _patched(WorkerSide, "_collect", _collect)
 
 
 # -- (3) a chunk made visible before all ranks report -----------------------------------------
@@ -144,24 +144,24 @@ def revert_recycled_id() -> contextlib.AbstractContextManager[None]:
     """Before the fix, a request whose id was still known to kvtier (a finished request with
     saves in flight) reused that request's state: its keys, so its loads."""
 
-    def on_new_request(self: KvtierConnector, request: Any, **kwargs: Any) -> None:
-        self._requests[request.request_id] = request
-        if self._sched is not None:
+    def on_new_request(self: SchedulerSide, request: Any) -> None:
+        self.requests[request.request_id] = request
+        if self.scheduler is not None:
             self._ensure_request(request)
 
-    return _patched(KvtierConnector, "on_new_request", on_new_request)
+    return _patched(SchedulerSide, "on_new_request", on_new_request)
 
 
 def revert_preempt_order() -> contextlib.AbstractContextManager[None]:
     """Before the fix, build_connector_meta applied ``preempted_req_ids`` after the step's
     block updates, wiping the table of a request resumed in that same step."""
-    original = KvtierConnector.build_connector_meta
+    original = SchedulerSide.build_connector_meta
 
-    def build_connector_meta(self: KvtierConnector, scheduler_output: Any, **kwargs: Any) -> Any:
-        sched = self._sched
+    def build_connector_meta(self: SchedulerSide, scheduler_output: Any) -> Any:
+        sched = self.scheduler
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if sched is None or not preempted:
-            return original(self, scheduler_output, **kwargs)
+            return original(self, scheduler_output)
         scheduler_output.preempted_req_ids = set()
         build_step = sched.build_step
 
@@ -172,34 +172,34 @@ def revert_preempt_order() -> contextlib.AbstractContextManager[None]:
 
         sched.build_step = late_build_step  # type: ignore[method-assign]
         try:
-            return original(self, scheduler_output, **kwargs)
+            return original(self, scheduler_output)
         finally:
             del sched.build_step
             scheduler_output.preempted_req_ids = preempted
 
-    return _patched(KvtierConnector, "build_connector_meta", build_connector_meta)
+    return _patched(SchedulerSide, "build_connector_meta", build_connector_meta)
 
 
 def revert_blind_requests() -> contextlib.AbstractContextManager[None]:
     """Before the fix, a request vLLM scheduled before kvtier's scheduler half existed had
     its later blocks appended to an empty table: chunk j was saved from chunk j+k's blocks."""
-    original = KvtierConnector.build_connector_meta
+    original = SchedulerSide.build_connector_meta
 
-    def build_connector_meta(self: KvtierConnector, scheduler_output: Any, **kwargs: Any) -> Any:
+    def build_connector_meta(self: SchedulerSide, scheduler_output: Any) -> Any:
         self._blind.clear()
-        out = original(self, scheduler_output, **kwargs)
+        out = original(self, scheduler_output)
         self._blind.clear()
         return out
 
-    return _patched(KvtierConnector, "build_connector_meta", build_connector_meta)
+    return _patched(SchedulerSide, "build_connector_meta", build_connector_meta)
 
 
 def revert_priority_loads() -> contextlib.AbstractContextManager[None]:
     """Before the fix, kvtier promised loads under vLLM 0.25.1's priority scheduler, which
     can leave the parked request behind a higher-priority one that needs its blocks."""
-    import kvtier.vllm.connector as connector_module
+    import kvtier.vllm.compat as compat_module
 
-    return _patched(connector_module, "_parked_requests_drained_first", lambda: True)
+    return _patched(compat_module, "parked_requests_drained_first", lambda: True)
 
 
 def revert_exactly_once() -> contextlib.AbstractContextManager[None]:

@@ -227,7 +227,7 @@ class Driver:
 
     def fault_counts(self) -> Counter[str]:
         out: Counter[str] = Counter(self.transport.injected)
-        s = getattr(self.connector, "_sched", None)
+        s = self.connector.scheduler_side.scheduler
         if s is not None:
             out["save_queue_full"] += s.stats.saves_dropped.get("save_queue_full", 0)
             out["slab_full"] += s.stats.saves_dropped.get("no_evictable_slot", 0)
@@ -237,7 +237,7 @@ class Driver:
     def workload_counts(self) -> Counter[str]:
         out = Counter(self.counts)
         out.pop("recycled_id", None)
-        s = getattr(self.connector, "_sched", None)
+        s = self.connector.scheduler_side.scheduler
         if s is not None:
             st = s.stats
             out.update(loads_started=st.loads_started, loads_ok=st.loads_ok,

@@ -327,9 +327,10 @@ class Oracle:
         if aggregator is not None and (aggregator._recv_remaining_count
                                        or getattr(aggregator, "_failed_recving_pending", None)):
             problems.append(f"aggregator holds partial reports {aggregator._recv_remaining_count}")
-        sched = connector._sched
-        if connector._requests:
-            problems.append(f"connector still tracks requests {sorted(connector._requests)}")
+        sched = connector.scheduler_side.scheduler
+        if connector.scheduler_side.requests:
+            problems.append("connector still tracks requests "
+                            f"{sorted(connector.scheduler_side.requests)}")
         if sched is not None:
             try:
                 sched.check_drained()

@@ -114,7 +114,7 @@ class FakeRunner:
                 del os.environ["RANK"]
             else:
                 os.environ["RANK"] = old
-        worker = self.connector._worker
+        worker = self.connector.worker_side.worker
         assert worker is not None, "kvtier did not start its worker half"
         self.worker = worker
         original = worker.engine

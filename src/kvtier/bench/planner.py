@@ -63,106 +63,131 @@ def _timed(acc: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.config import KvtierConfig
-    from kvtier.index.base import Entry
-    from kvtier.layout import GroupKind
-    from kvtier.planner import Geometry, GroupGeometry, make_slab_layout
-    from kvtier.protocol import WorkerReport
-    from kvtier.scheduler import OffloadScheduler
+class _Run:
+    """One bench run: the scheduler over a filled index, the running requests and the
+    timings; :meth:`step` is one measured engine step."""
 
-    rng = random.Random(args.seed)
-    chunk, block = 256, 16
-    geo = Geometry(chunk, (GroupGeometry(GroupKind.FULL, block, 128 * 1024 * block),))
-    cfg = KvtierConfig(
-        dram_size=f"{args.stored_chunks * 32}MiB", policy=args.policy, chunk_tokens=chunk,
-        max_pending_saves=1 << 20, max_pending_loads=1 << 20, max_pins=1 << 22,
-    )
-    slab_layout = make_slab_layout(cfg, geo, 1)
-    sched = OffloadScheduler(cfg, geo, b"bench-namespace", slab_layout)
-    capacity = slab_layout.classes[0].num_slots
-    print(f"kvtier bench planner: {capacity:,} slots, filling {args.stored_chunks:,} chunks "
-          f"in prefixes of {args.prefix_chunks} ...", flush=True)
+    CHUNK, BLOCK = 256, 16
 
-    # -- fill the index with stored prefixes (not measured) ----------------------------------
-    t0 = time.perf_counter()
-    prefixes: list[list[int]] = []
-    stored = 0
-    while stored < args.stored_chunks:
-        n = min(args.prefix_chunks, args.stored_chunks - stored)
-        toks = [rng.randrange(32000) for _ in range(n * chunk + 1)]
-        st = sched.add_request(f"fill{len(prefixes)}")
-        st.keys.update(toks)
-        parent = None
-        for key in st.keys.keys:
-            e = sched.index.reserve(0, key, parent)
-            assert isinstance(e, Entry)
-            sched.index.commit(e)
-            parent = key
-        sched.request_finished(st.req_id)
-        prefixes.append(toks)
-        stored += n
-    fill_s = time.perf_counter() - t0
-    print(f"  filled in {fill_s:.1f} s ({sched.index.stats().stored:,} stored)", flush=True)
+    def __init__(self, args: argparse.Namespace) -> None:
+        from kvtier.config import KvtierConfig
+        from kvtier.geometry import Geometry, GroupGeometry
+        from kvtier.layout import GroupKind
+        from kvtier.scheduler import OffloadScheduler
 
-    # -- the measured loop ------------------------------------------------------------------
-    next_block = [1]
+        self.args = args
+        self.rng = random.Random(args.seed)
+        chunk, block = self.CHUNK, self.BLOCK
+        geo = Geometry(chunk, (GroupGeometry(GroupKind.FULL, block, 128 * 1024 * block),))
+        cfg = KvtierConfig(
+            dram_size=f"{args.stored_chunks * 32}MiB", policy=args.policy, chunk_tokens=chunk,
+            max_pending_saves=1 << 20, max_pending_loads=1 << 20, max_pins=1 << 22,
+        )
+        slab_layout = geo.slab_layout(cfg, 1)
+        self.sched = OffloadScheduler(cfg, geo, b"bench-namespace", slab_layout)
+        self.capacity = slab_layout.classes[0].num_slots
+        self.prefixes: list[list[int]] = []
+        self.next_block = 1
+        self.arrival_id = 0
+        self.arrivals = 0
+        self.hits = 0
+        self.running: list[_Req] = []
+        self.pending_reports: list[Any] = []
+        self.fill_s = 0.0
 
-    def new_blocks(n: int) -> list[int]:
-        out = list(range(next_block[0], next_block[0] + n))
-        next_block[0] += n
+    def fill(self) -> None:
+        """Fill the index with stored prefixes (not measured)."""
+        from kvtier.index.base import Entry
+
+        args, sched, rng = self.args, self.sched, self.rng
+        t0 = time.perf_counter()
+        stored = 0
+        while stored < args.stored_chunks:
+            n = min(args.prefix_chunks, args.stored_chunks - stored)
+            toks = [rng.randrange(32000) for _ in range(n * self.CHUNK + 1)]
+            st = sched.add_request(f"fill{len(self.prefixes)}")
+            st.keys.update(toks)
+            parent = None
+            for key in st.keys.keys:
+                e = sched.index.reserve(0, key, parent)
+                assert isinstance(e, Entry)
+                sched.index.commit(e)
+                parent = key
+            sched.request_finished(st.req_id)
+            self.prefixes.append(toks)
+            stored += n
+        self.fill_s = time.perf_counter() - t0
+        print(f"  filled in {self.fill_s:.1f} s ({sched.index.stats().stored:,} stored)",
+              flush=True)
+
+    def new_blocks(self, n: int) -> list[int]:
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
         return out
 
-    running: list[_Req] = []
-    arrival_id = [0]
-
-    def arrive() -> _Req:
-        arrival_id[0] += 1
-        base = rng.choice(prefixes)
-        cut = rng.randrange(chunk, len(base) - 1)
+    def arrive(self) -> _Req:
+        rng = self.rng
+        self.arrival_id += 1
+        base = rng.choice(self.prefixes)
+        cut = rng.randrange(self.CHUNK, len(base) - 1)
         toks = base[:cut] + [rng.randrange(32000) for _ in range(rng.randrange(64, 2048))]
-        return _Req(f"r{arrival_id[0]}", toks, len(toks), rng.randrange(*args.output_tokens))
+        return _Req(f"r{self.arrival_id}", toks, len(toks),
+                    rng.randrange(*self.args.output_tokens))
 
-    def admit(r: _Req, acc_step: dict[str, float]) -> None:
-        nonlocal hits
+    def admit(self, r: _Req, acc_step: dict[str, float]) -> None:
+        sched = self.sched
         _timed(acc_step, "add_request", lambda: sched.add_request(r.rid))
         n = _timed(acc_step, "lookup", lambda: sched.lookup(r.rid, r.tokens, 0))
-        r.blocks = new_blocks(-(-len(r.tokens) // block))
+        r.blocks = self.new_blocks(-(-len(r.tokens) // self.BLOCK))
         if n:
-            hits += 1
+            self.hits += 1
             _timed(acc_step, "start_load", lambda: sched.start_load(r.rid, n, [r.blocks]))
             r.computed = n
 
-    pending_reports: list[WorkerReport] = []
-    per_step_us: list[float] = []
-    acc: dict[str, float] = {}
-    hits = 0
-    warmup = 50
-    total_steps = args.steps + warmup
-    progress = _progress(total_steps)
-    # start in steady state: requests at random points of their lives
-    for _ in range(args.running):
-        r = arrive()
-        admit(r, {})
-        r.computed = rng.randrange(r.computed, r.end)
-        r.tokens += [rng.randrange(32000) for _ in range(max(0, r.computed - len(r.tokens)))]
-        r.blocks += new_blocks(max(0, -(-r.computed // block) - len(r.blocks)))
-        running.append(r)
-    arrivals = 0
-    for step in range(total_steps):
+    def warm_start(self) -> None:
+        """Start in steady state: requests at random points of their lives."""
+        rng = self.rng
+        for _ in range(self.args.running):
+            r = self.arrive()
+            self.admit(r, {})
+            r.computed = rng.randrange(r.computed, r.end)
+            r.tokens += [rng.randrange(32000)
+                         for _ in range(max(0, r.computed - len(r.tokens)))]
+            r.blocks += self.new_blocks(max(0, -(-r.computed // self.BLOCK) - len(r.blocks)))
+            self.running.append(r)
+
+    def step(self) -> tuple[float, dict[str, float]]:
+        """One engine step; its seconds and the time of each scheduler call."""
+        from kvtier.protocol import WorkerReport
+
+        sched, running = self.sched, self.running
         acc_step: dict[str, float] = {}
         t_step = time.perf_counter()
-        for rep in pending_reports:  # the previous step's completions
+        for rep in self.pending_reports:  # the previous step's completions
             _timed(acc_step, "on_report", lambda rep=rep: sched.on_report(rep))
-        pending_reports = []
+        self.pending_reports = []
         for i, r in enumerate(running):  # finished requests are replaced by arrivals
             if r.computed >= r.end:
                 _timed(acc_step, "request_finished", lambda r=r: sched.request_finished(r.rid))
-                running[i] = arrive()
-                admit(running[i], acc_step)
-                arrivals += 1
-        budget = args.batch_tokens - sum(1 for r in running if r.computed >= r.prompt)
-        for r in running:
+                running[i] = self.arrive()
+                self.admit(running[i], acc_step)
+                self.arrivals += 1
+        self._schedule(acc_step)
+        plan = _timed(acc_step, "build_step", sched.build_step)
+        rep = WorkerReport()
+        for job in plan.saves:
+            rep.saves[job.job_id] = [1, 0]
+        for job in plan.loads:
+            rep.loads[job.job_id] = [1, 0]
+        self.pending_reports.append(rep)
+        return time.perf_counter() - t_step, acc_step
+
+    def _schedule(self, acc_step: dict[str, float]) -> None:
+        """vLLM's token budget over the running requests: decodes one token each, prefills
+        share the rest; block tables grow and saves are planned."""
+        sched, rng = self.sched, self.rng
+        budget = self.args.batch_tokens - sum(1 for r in self.running if r.computed >= r.prompt)
+        for r in self.running:
             if r.computed < r.prompt:
                 n_sched = max(0, min(r.prompt - r.computed, budget))
                 budget -= n_sched
@@ -173,59 +198,78 @@ def run(args: argparse.Namespace) -> int:
                 if r.computed >= len(r.tokens):
                     r.tokens.append(rng.randrange(32000))
             after = r.computed + n_sched
-            need = -(-after // block) - len(r.blocks)
+            need = -(-after // self.BLOCK) - len(r.blocks)
             if need > 0:
-                ids = new_blocks(need)
+                ids = self.new_blocks(need)
                 r.blocks += ids
                 _timed(acc_step, "on_blocks", lambda r=r, ids=ids: sched.on_blocks(r.rid, [ids]))
             _timed(acc_step, "plan_saves",
                    lambda r=r, a=after: sched.plan_saves(r.rid, r.tokens, a, r.prompt))
             r.computed = after
-        plan = _timed(acc_step, "build_step", sched.build_step)
-        rep = WorkerReport()
-        for job in plan.saves:
-            rep.saves[job.job_id] = [1, 0]
-        for job in plan.loads:
-            rep.loads[job.job_id] = [1, 0]
-        pending_reports.append(rep)
-        elapsed = time.perf_counter() - t_step
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = _Run(args)
+    print(f"kvtier bench planner: {bench.capacity:,} slots, filling {args.stored_chunks:,} "
+          f"chunks in prefixes of {args.prefix_chunks} ...", flush=True)
+    bench.fill()
+    per_step_us: list[float] = []
+    acc: dict[str, float] = {}
+    warmup = 50
+    total_steps = args.steps + warmup
+    progress = _progress(total_steps)
+    bench.warm_start()
+    for step in range(total_steps):
+        elapsed, acc_step = bench.step()
         if step >= warmup:
-            per_step_us.append(elapsed / len(running) * 1e6)
+            per_step_us.append(elapsed / len(bench.running) * 1e6)
             for k, v in acc_step.items():
                 acc[k] = acc.get(k, 0.0) + v
         progress(step + 1)
     print()
+    result = _result(args, bench, per_step_us, acc)
+    _report(result, args.out)
+    _print_result(result)
+    return 0
+
+
+def _result(args: argparse.Namespace, bench: _Run, per_step_us: list[float],
+            acc: dict[str, float]) -> dict[str, Any]:
     measured = len(per_step_us)
     reqs = args.running
     breakdown = {k: v / measured / reqs * 1e6 for k, v in sorted(acc.items(), key=lambda x: -x[1])}
+    sched = bench.sched
     result = {
         "bench": "planner", "date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,
         "cpu": _cpu_model(), "running": args.running, "stored_chunks": args.stored_chunks,
-        "slots": capacity, "policy": args.policy, "steps": measured,
+        "slots": bench.capacity, "policy": args.policy, "steps": measured,
         "us_per_request_step": {
             "p50": statistics.median(per_step_us),
             "p90": _pct(per_step_us, 0.9), "p99": _pct(per_step_us, 0.99),
             "mean": statistics.fmean(per_step_us),
         },
         "breakdown_us_per_request_step": breakdown,
-        "arrivals": arrivals, "lookups_with_hit": hits, "evictions": sched.index.evictions,
+        "arrivals": bench.arrivals, "lookups_with_hit": bench.hits,
+        "evictions": sched.index.evictions,
         "batch_tokens": args.batch_tokens, "output_tokens": list(args.output_tokens),
-        "saves_committed": sched.stats.saves_committed, "fill_seconds": fill_s,
+        "saves_committed": sched.stats.saves_committed, "fill_seconds": bench.fill_s,
         "target_us": TARGET_US,
     }
-    p50 = result["us_per_request_step"]["p50"]
     # the target is met when even the 99th-percentile step costs at most 100 µs a request
     result["target_met"] = result["us_per_request_step"]["p99"] <= TARGET_US
-    _report(result, args.out)
+    return result
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    p50 = result["us_per_request_step"]["p50"]
     print(f"\n{'':<22}{'µs/request/step':>16}")
     for k in ("p50", "p90", "p99", "mean"):
         print(f"{k:<22}{result['us_per_request_step'][k]:>16.2f}")
     print("breakdown (mean):")
-    for k, v in breakdown.items():
+    for k, v in result["breakdown_us_per_request_step"].items():
         print(f"  {k:<20}{v:>16.2f}")
     print(f"\ntarget <= {TARGET_US:.0f} µs per request per step (p99): "
           f"{'met' if result['target_met'] else 'NOT met'} (p50 {p50:.1f} µs)")
-    return 0
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds to wait for a --compare server to start (default %(default)s)")
 
-    w = p.add_argument_group("workload (DESIGN.md §4)")
+    w = p.add_argument_group("workload (docs/design.md §4)")
     w.add_argument("--workload", choices=["shared-prefix", "agent-sessions", "no-reuse",
                                           "trace"], default="shared-prefix")
     w.add_argument("--seed", type=int, default=0)

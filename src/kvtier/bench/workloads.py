@@ -1,4 +1,4 @@
-"""Serving workloads (DESIGN.md §4) as seeded streams of token-id requests.
+"""Serving workloads (docs/design.md §4) as seeded streams of token-id requests.
 
 A workload hands out :class:`RequestSpec` objects in issue order and is told when each one
 completed. Contracts:

@@ -16,7 +16,7 @@ Two ways to move a batch of chunks of one KV-cache group, chosen per group by pi
 ``dma_min_piece`` (:data:`DMA_MIN_PIECE`, 256 KiB, measured: ``bench/notes/transfer.md``) and
 ``dma`` otherwise. Both produce exactly the bytes of :mod:`kvtier.codec`.
 
-Ordering (DESIGN.md §2.6, §2.9), with side streams and events only; the host never waits
+Ordering (docs/design.md §2.6, §2.9), with side streams and events only; the host never waits
 (except, in theory, when the pinned id ring wraps onto an upload still in flight):
 
 - A save reads its blocks after an event recorded on the compute stream when the save was
@@ -61,7 +61,6 @@ from kvtier.gpu.dma import (
     split_at,
 )
 from kvtier.gpu.runtime import CudaRuntime, Runtime
-from kvtier.layout import GroupKind
 from kvtier.log import get_logger
 from kvtier.protocol import SKIP, Job
 from kvtier.transfer import ChunkMover, Completion, TransferEngine
@@ -219,7 +218,7 @@ class CudaTransferEngine(TransferEngine):
         self.load_copy = runtime.stream()
         self.load_kernel = runtime.stream(high_priority=True)
         half = (int(config.gpu_staging_size) // 2) // STAGE_ALIGN * STAGE_ALIGN
-        self._groups = [self._plan_group(g, half, dma_min_piece) for g in
+        self._groups = [self._set_up_group(g, half, dma_min_piece) for g in
                         range(len(layout.groups))]
         need_stage = any(g.path == "kernel" for g in self._groups)
         self.stage = torch.empty(2 * half if need_stage else 0, dtype=torch.uint8,
@@ -247,9 +246,10 @@ class CudaTransferEngine(TransferEngine):
         self._step_event: Any = None
 
     # -- set-up -----------------------------------------------------------------------------
-    def _plan_group(self, gid: int, stage_half: int, dma_min_piece: int) -> _Group:
+    def _set_up_group(self, gid: int, stage_half: int, dma_min_piece: int) -> _Group:
+        """The segment table and path of one group; its chunk geometry is the mover's."""
         group = self.mover.layout.groups[gid]
-        bpc = 1 if group.spec.kind is GroupKind.STATE else self.mover.blocks_per_chunk[gid]
+        bpc = self.mover.geometry.blocks_per_chunk(gid)
         table = SegmentTable.of(group, bpc)
         fits = table.chunk_bytes <= stage_half // 2
         if self.mode == "dma" or not fits:
@@ -258,7 +258,8 @@ class CudaTransferEngine(TransferEngine):
             path = "kernel"
         else:
             path = "kernel" if table.min_piece < dma_min_piece else "dma"
-        g = _Group(gid, bpc, group.num_blocks, self.mover.slot_class[gid], table, path)
+        g = _Group(gid, bpc, group.num_blocks, self.mover.geometry.slot_classes[gid], table,
+                   path)
         if path == "kernel":
             from kvtier.gpu.kernels import TileTable
 

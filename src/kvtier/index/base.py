@@ -22,7 +22,7 @@ Lifecycle of a stored chunk (one per group and key)::
 Handles (:class:`Entry`) make the late operations exact: a ``commit`` or ``unpin`` for an entry
 that was reset and re-created under the same key acts on the old one only.
 
-A lookup may be answered later by an index that lives in another process (DESIGN.md §2.11):
+A lookup may be answered later by an index that lives in another process (docs/design.md §2.11):
 ``match`` returns ``None`` to say "ask again next step".
 """
 

@@ -1,7 +1,7 @@
 """Tiny dummy-weight model folders (config.json only) for vLLM's CPU build.
 
 CPU attention needs head_dim >= 32 and block sizes that are multiples of 32. Float32: on
-AVX2 hosts without AVX-512/AMX it is about 4x faster than bfloat16 (DESIGN.md §5).
+AVX2 hosts without AVX-512/AMX it is much faster than bfloat16 (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ class ProbeConnector(KvtierConnector):
     @property
     def faults(self) -> FaultyEngine:
         """The fault switches of this worker's transfer engine."""
-        assert self._worker is not None and isinstance(self._worker.engine, FaultyEngine)
-        return self._worker.engine
+        worker = self.worker_side.worker
+        assert worker is not None and isinstance(worker.engine, FaultyEngine)
+        return worker.engine
 
     # -- worker-side checks, through vLLM's tensors only -----------------------------------
     def _tensors(self, value: Any) -> list[torch.Tensor]:
@@ -80,8 +81,8 @@ class ProbeConnector(KvtierConnector):
         kvtier's transfers first: a save still reading must not see the pattern. The default
         byte makes large values in any float format (0x4747... is 5.1e4 in float32 and
         bfloat16), so an unrestored block is loud in the output."""
-        if self._worker is not None:
-            self._worker.drain()
+        if self.worker_side.worker is not None:
+            self.worker_side.worker.drain()
         seen: set[int] = set()
         n = 0
         for value in self.vllm_kv_caches.values():
@@ -101,8 +102,8 @@ def fill_worker_kv_caches(worker: Any, byte: int = 0x47) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     connector = get_kv_transfer_group()
-    if getattr(connector, "_worker", None) is not None:
-        connector._worker.drain()
+    if connector.worker_side.worker is not None:
+        connector.worker_side.worker.drain()
     seen: set[int] = set()
     n = 0
     for t in worker.model_runner.kv_caches:
@@ -134,7 +135,7 @@ def rpc_worker_facts(worker: Any) -> dict[str, Any]:
     """This rank's kvtier worker: rank, shards, whether it writes, bytes moved so far."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    w = get_kv_transfer_group()._worker
+    w = get_kv_transfer_group().worker_side.worker
     return {"rank": w.rank, "shards": w.slab_layout.num_shards, "writes": w.writes,
             "replicated": w.replicated, "bytes_saved": w.total_bytes_saved,
             "bytes_loaded": w.total_bytes_loaded}
@@ -145,7 +146,7 @@ def rpc_fail_next_loads(worker: Any, rank: int, n: int = 1) -> bool:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     probe = get_kv_transfer_group()
-    if probe._worker.rank == rank:
+    if probe.worker_side.worker.rank == rank:
         probe.faults.fail_loads = n
         return True
     return False

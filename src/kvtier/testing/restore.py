@@ -32,7 +32,7 @@ class EngineHandles:
     @property
     def kvtier(self) -> Any:
         """The scheduler half's engine-agnostic core (OffloadScheduler)."""
-        return self.scheduler_connector._sched
+        return self.scheduler_connector.scheduler_side.scheduler
 
     @property
     def faults(self) -> Any:

@@ -7,8 +7,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvtier.geometry import Geometry
 from kvtier.protocol import StepPlan, WorkerReport
-from kvtier.worker import WorkerGeometry
 
 try:  # both 0.25.1 and 0.32 have it; keep the import soft for older releases
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -29,7 +29,7 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Workers -> scheduler, once per step, summed over workers by vLLM's aggregator."""
 
     report: WorkerReport = field(default_factory=WorkerReport)
-    geometries: list[WorkerGeometry] = field(default_factory=list)
+    geometries: list[Geometry] = field(default_factory=list)  # the handshake, per rank
     ranks: int = 1
 
     def aggregate(self, other: Any) -> KvtierWorkerMetadata:

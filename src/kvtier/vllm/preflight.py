@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.config import ConfigError, KvtierConfig, format_bytes
+from kvtier.geometry import resolve_chunk_tokens
 from kvtier.hostmem import check_dram_size
 from kvtier.vllm.plugin import SHORT_NAME
 from kvtier.vllm.startup import failure_policy_refusal
@@ -63,7 +64,7 @@ def check_engine(ktc: Any, tensor_parallel_size: int = 1, pipeline_parallel_size
     if int(pipeline_parallel_size) > 1:
         return  # the connector turns itself off: it allocates nothing
     if config.chunk_tokens is not None and block_size:
-        config.resolve_chunk_tokens([int(block_size)])
+        resolve_chunk_tokens(config.chunk_tokens, [int(block_size)])
     if int(tensor_parallel_size) > 1:
         check_shm(config.dram_size, int(tensor_parallel_size), shm_dir)
     check_dram_size(config.dram_size)

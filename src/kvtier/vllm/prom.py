@@ -6,9 +6,9 @@ calls :meth:`KvtierPromMetrics.observe` with each engine step's stats payload: t
 scheduler half's counters). Contract:
 
 - Keys without the ``gauge_`` prefix are counter *increments*; ``gauge_*`` keys are levels.
-- Every key in :data:`COUNTERS` / :data:`GAUGES` maps to one series (a metric plus fixed
-  labels); ``declined_<reason>`` and ``saves_dropped_<reason>`` map to a ``reason`` label. A
-  key this module does not know still appears, as ``vllm:kvtier_<key>_total`` (or
+- Every key in the table of :mod:`kvtier.vllm.counters` maps to one series (a metric plus
+  fixed labels); ``declined_<reason>`` and ``saves_dropped_<reason>`` map to a ``reason``
+  label. A key the table does not know still appears, as ``vllm:kvtier_<key>_total`` (or
   ``vllm:kvtier_<key>`` for a gauge), so new stats are never silently lost.
 - ``vllm:kvtier_transfer_gbps{direction}`` is the throughput of the latest step that moved
   bytes in that direction (bytes / seconds the transfers took); for an average over time use
@@ -25,77 +25,16 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvtier.log import get_logger
-from kvtier.planner import Decline
-from kvtier.protocol import JobKind, SaveDrop
-
-PREFIX = "vllm:kvtier_"
-GAUGE = "gauge_"
-
-# metric name (without PREFIX) -> its documentation
-DOCS: dict[str, str] = {
-    "lookups": "Lookups of waiting requests in kvtier's index.",
-    "hits": "Lookups that found stored chunks beyond the HBM hit and decided to load them.",
-    "hit_tokens": "Prompt tokens kvtier promised to vLLM (decided loads).",
-    "restored_tokens": "Prompt tokens restored from kvtier by loads that completed on every "
-    "rank (prefill work avoided).",
-    "loads": "Load jobs, by outcome.",
-    "loads_declined": "Hits not loaded, by reason.",
-    "saves": "Chunk saves, by outcome.",
-    "saves_dropped": "Chunk saves dropped before they started, by reason.",
-    "evictions": "Chunks evicted from the DRAM tier to make room.",
-    "transfer_bytes": "Bytes moved between the KV cache and the DRAM tier, per direction "
-    "(save: device to host).",
-    "transfer_seconds": "Seconds transfers took, per direction (summed over ranks and "
-    "concurrent jobs).",
-    "transfer_jobs": "Transfer jobs finished by workers, per direction (one per rank).",
-    "transfer_gbps": "GB/s of the latest step that moved bytes, per direction.",
-    "transfer_failures": "Worker transfer jobs that failed (the load is recomputed, the save "
-    "dropped).",
-    "fences": "Saves fenced because their source blocks were reallocated or their request "
-    "preempted.",
-    "fences_waited": "Fences a worker had to wait for.",
-    "unsaveable_requests": "Requests with extra keys kvtier cannot include (neither saved nor "
-    "loaded).",
-    "resets": "Resets of the DRAM tier (reset_prefix_cache with the connector).",
-    "slots_used": "DRAM-tier slots holding a chunk (or being written).",
-    "slots_total": "DRAM-tier slots.",
-    "occupancy": "Share of DRAM-tier slots in use (slots_used / slots_total).",
-    "chunk_tokens": "Tokens per stored chunk.",
-}
-
-# stats key -> (metric name, extra labels); declined_<reason> and saves_dropped_<reason> too
-COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
-    "lookups": ("lookups", {}),
-    "hits": ("hits", {}),
-    "hit_tokens": ("hit_tokens", {}),
-    "loaded_tokens": ("restored_tokens", {}),
-    "loads_started": ("loads", {"outcome": "started"}),
-    "loads_ok": ("loads", {"outcome": "ok"}),
-    "loads_failed": ("loads", {"outcome": "failed"}),
-    "saves_planned": ("saves", {"outcome": "planned"}),
-    "saves_committed": ("saves", {"outcome": "committed"}),
-    "saves_failed": ("saves", {"outcome": "failed"}),
-    "evictions": ("evictions", {}),
-    "bytes_saved": ("transfer_bytes", {"direction": JobKind.SAVE.value}),
-    "bytes_loaded": ("transfer_bytes", {"direction": JobKind.LOAD.value}),
-    "save_seconds": ("transfer_seconds", {"direction": JobKind.SAVE.value}),
-    "load_seconds": ("transfer_seconds", {"direction": JobKind.LOAD.value}),
-    "save_jobs": ("transfer_jobs", {"direction": JobKind.SAVE.value}),
-    "load_jobs": ("transfer_jobs", {"direction": JobKind.LOAD.value}),
-    "transfer_failures": ("transfer_failures", {}),
-    "fences": ("fences", {}),
-    "fences_waited": ("fences_waited", {}),
-    "unsaveable_requests": ("unsaveable_requests", {}),
-    "resets": ("resets", {}),
-}
-KNOWN_DROP_REASONS = tuple(r.value for r in SaveDrop)
-
-# stats key -> gauge name
-GAUGES: dict[str, str] = {
-    "gauge_slots_used": "slots_used",
-    "gauge_slots_total": "slots_total",
-    "gauge_chunk_tokens": "chunk_tokens",
-}
+from kvtier.vllm.counters import (
+    BY_NAME,
+    COUNTER,
+    DERIVED,
+    GAUGE,
+    GAUGE_PREFIX,
+    METRICS,
+    PREFIX,
+    series_of_key,
+)
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 logger = get_logger("vllm.prom")
@@ -124,16 +63,14 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         self._families: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._children: dict[tuple[int, str, str, tuple[tuple[str, str], ...]], Any] = {}
         for engine in per_engine_labelvalues:
-            for name, labels in COUNTERS.values():
-                self._series(engine, "counter", name, labels)
-            for reason in Decline:
-                self._series(engine, "counter", "loads_declined", {"reason": reason.value})
-            for reason in KNOWN_DROP_REASONS:
-                self._series(engine, "counter", "saves_dropped", {"reason": reason})
-            for name in (*GAUGES.values(), "occupancy"):
-                self._series(engine, "gauge", name, {})
-            for direction in (JobKind.SAVE.value, JobKind.LOAD.value):
-                self._series(engine, "gauge", "transfer_gbps", {"direction": direction})
+            for m in METRICS:
+                if m.reasons:
+                    for reason in m.reasons:
+                        self._series(engine, m.type, m.name, {m.label: reason})
+                    continue
+                for series in m.series:
+                    self._series(engine, m.type, m.name,
+                                 {m.label: series.label} if m.label else {})
 
     def _series(self, engine: int, kind: str, name: str, labels: dict[str, str]) -> Any:
         """The child of metric ``vllm:kvtier_<name>`` for this engine and these labels."""
@@ -145,7 +82,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         family = self._families.get((kind, name, extra))
         if family is None:
             full = PREFIX + name
-            doc = DOCS.get(name, f"kvtier {kind} {name}.")
+            known = BY_NAME.get(name)
+            doc = known.doc if known is not None else f"kvtier {kind} {name}."
             try:
                 if kind == "counter":
                     family = self._counter_cls(name=full, documentation=doc,
@@ -167,30 +105,24 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         for key, value in data.items():
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
-            if key.startswith(GAUGE):
-                name = GAUGES.get(key) or _clean(key[len(GAUGE):])
-                self._series(engine_idx, "gauge", name, {}).set(value)
+            known = series_of_key(key)
+            if key.startswith(GAUGE_PREFIX):
+                name = known[0].name if known else _clean(key[len(GAUGE_PREFIX):])
+                self._series(engine_idx, GAUGE, name, {}).set(value)
                 continue
             if value < 0:
                 continue  # counters only go up; a negative delta means a restarted source
-            if key in COUNTERS:
-                name, labels = COUNTERS[key]
-            elif key.startswith("declined_"):
-                name, labels = "loads_declined", {"reason": key[len("declined_"):]}
-            elif key.startswith("saves_dropped_"):
-                name, labels = "saves_dropped", {"reason": key[len("saves_dropped_"):]}
-            else:
-                name, labels = _clean(key), {}
+            name, labels = (known[0].name, known[1]) if known else (_clean(key), {})
             if value:
-                self._series(engine_idx, "counter", name, labels).inc(value)
-        used, total = data.get("gauge_slots_used"), data.get("gauge_slots_total")
-        if used is not None and total:
-            self._series(engine_idx, "gauge", "occupancy", {}).set(used / total)
-        for direction, b, s in ((JobKind.SAVE.value, "bytes_saved", "save_seconds"),
-                                (JobKind.LOAD.value, "bytes_loaded", "load_seconds")):
-            if data.get(b) and data.get(s):
-                self._series(engine_idx, "gauge", "transfer_gbps",
-                             {"direction": direction}).set(data[b] / data[s] / 1e9)
+                self._series(engine_idx, COUNTER, name, labels).inc(value)
+        for m in METRICS:
+            if m.source != DERIVED:
+                continue
+            for series in m.series:
+                value = series.read(data)
+                if value is not None:
+                    self._series(engine_idx, m.type, m.name,
+                                 {m.label: series.label} if m.label else {}).set(value)
 
 
 def _clean(key: str) -> str:

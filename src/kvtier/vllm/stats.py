@@ -42,3 +42,12 @@ class KvtierStats(KVConnectorStats):
 
 def counter_deltas(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
+def stats_payload(counts: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What one stats collection sends: counter deltas since ``before`` (unchanged ones left
+    out) and every ``gauge_`` level."""
+    delta = counter_deltas({k: v for k, v in counts.items() if not k.startswith(GAUGE)},
+                           {k: v for k, v in before.items() if not k.startswith(GAUGE)})
+    delta.update({k: v for k, v in counts.items() if k.startswith(GAUGE)})
+    return delta

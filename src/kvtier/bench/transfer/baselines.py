@@ -155,7 +155,7 @@ def naive(cell: Cell, nbytes: int) -> dict[str, float]:
     import torch
 
     g = cell.layout.groups[0]
-    bpc = cell.geo.bpc[0]
+    bpc = cell.mover.geometry.blocks_per_chunk(0)
     slab = cell.mover.slab
     n = max(1, nbytes // cell.chunk_bytes[0])
     jobs = cell.save_jobs[:n]

@@ -1,5 +1,6 @@
-"""What ``kvtier bench transfer`` moves: one layout family at one chunk size (a
-:class:`Geometry`), and that cache allocated with its save and load jobs (a :class:`Cell`).
+"""What ``kvtier bench transfer`` moves: one layout family at one chunk size in bytes (a
+:class:`CacheCase`), and that cache allocated with its save and load jobs (a :class:`Cell`,
+whose mover takes the cache's :class:`~kvtier.geometry.Geometry`).
 
 A cache is sized for at least ``span`` bytes of distinct blocks per direction; where one block
 of the model is larger than the chunk, the cache is one rank's shard (:func:`_shard`). Torch
@@ -22,7 +23,7 @@ STEP_BYTES = 64 * MIB  # saves submitted per engine step; bytes per load job
 
 
 @dataclass
-class Geometry:
+class CacheCase:
     """One family at one chunk size: what to allocate and how chunks are made."""
 
     family: str
@@ -55,7 +56,7 @@ def _shard(per_layer: Callable[[int], int], heads: int, layers: int, chunk: int,
 
 @dataclass(frozen=True)
 class _Sizing:
-    """The chunk target and distinct-byte span of one geometry, and the model depths."""
+    """The chunk target and distinct-byte span of one case, and the model depths."""
 
     chunk: int
     span: int
@@ -84,51 +85,51 @@ def _attn(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
 
-def _mha(family: str, z: _Sizing) -> Geometry:
+def _mha(family: str, z: _Sizing) -> CacheCase:
     def per(h: int) -> int:
         return 2 * 16 * h * 128 * 2
     h, n, note = _shard(per, 8, z.layers_llama, z.chunk)
     bb = per(h) * n
     nb = z.num_blocks(bb)
-    return Geometry(family, z.chunk, {_attn(i): ((nb, 2, 16, h, 128), "bfloat16")
+    return CacheCase(family, z.chunk, {_attn(i): ((nb, 2, 16, h, 128), "bfloat16")
                                       for i in range(n)},
                     [("full", 16, [_attn(i) for i in range(n)])], nb, [z.bpc(bb)], note=note)
 
 
-def _mla(family: str, z: _Sizing) -> Geometry:
+def _mla(family: str, z: _Sizing) -> CacheCase:
     es = 2 if family == "mla_bf16" else 1
     dt = "bfloat16" if es == 2 else "uint8"
     _, n, note = _shard(lambda h: 64 * 576 * es, 1, z.layers_ds, z.chunk, shardable=False)
     bb = 64 * 576 * es * n
     nb = z.num_blocks(bb)
-    return Geometry(family, z.chunk, {_attn(i): ((nb, 64, 576), dt) for i in range(n)},
+    return CacheCase(family, z.chunk, {_attn(i): ((nb, 64, 576), dt) for i in range(n)},
                     [("full", 64, [_attn(i) for i in range(n)])], nb, [z.bpc(bb)],
                     note=note, kv_cache_dtype="auto" if es == 2 else "fp8")
 
 
-def _kv_fp8_scales(family: str, z: _Sizing) -> Geometry:
+def _kv_fp8_scales(family: str, z: _Sizing) -> CacheCase:
     def per(h: int) -> int:
         return 2 * 16 * h * 128 + 2 * 16 * h * 4
     h, n, note = _shard(per, 8, z.layers_llama, z.chunk)
     bb = per(h) * n
     nb = z.num_blocks(bb)
-    return Geometry(family, z.chunk, {_attn(i): ((2, nb, 16, h, 128), "uint8")
+    return CacheCase(family, z.chunk, {_attn(i): ((2, nb, 16, h, 128), "uint8")
                                       for i in range(n)},
                     [("full", 16, [_attn(i) for i in range(n)])], nb, [z.bpc(bb)],
                     scales={_attn(i): ((nb, 16, h), "float32") for i in range(n)},
                     note=note, kv_cache_dtype="fp8_e4m3")
 
 
-def _indexer(family: str, z: _Sizing) -> Geometry:
+def _indexer(family: str, z: _Sizing) -> CacheCase:
     _, n, note = _shard(lambda h: 64 * 132, 1, z.layers_ds, z.chunk, shardable=False)
     bb = 64 * 132 * n
     nb = z.num_blocks(bb)
     names = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(n)]
-    return Geometry(family, z.chunk, {nm: ((nb, 64, 132), "uint8") for nm in names},
+    return CacheCase(family, z.chunk, {nm: ((nb, 64, 132), "uint8") for nm in names},
                     [("full", 64, names)], nb, [z.bpc(bb)], note=note)
 
 
-def _hybrid(family: str, z: _Sizing) -> Geometry:
+def _hybrid(family: str, z: _Sizing) -> CacheCase:
     n_attn, n_mamba = 4, (24 if not z.smoke else 2)
     conv, ssm = ((3, 4352), (64, 64, 128)) if not z.smoke else ((3, 64), (2, 8, 16))
     bb = n_attn * 2 * 16 * 8 * 128 * 2
@@ -139,20 +140,20 @@ def _hybrid(family: str, z: _Sizing) -> Geometry:
     for nm in state:
         tensors[nm] = [((nb, *conv), "bfloat16"), ((nb, *ssm), "bfloat16")]
     bpc = z.bpc(bb)
-    return Geometry(family, z.chunk, tensors,
+    return CacheCase(family, z.chunk, tensors,
                     [("full", 16, [_attn(i) for i in range(n_attn)]),
                      ("state", 16 * bpc, state)],
                     nb, [bpc, 1], state_every=max(1, STEP_BYTES // (bpc * bb)),
                     note=f"{nb} blocks for both groups; blocks repeat across chunks")
 
 
-_BUILDERS: dict[str, Callable[[str, _Sizing], Geometry]] = {
+_BUILDERS: dict[str, Callable[[str, _Sizing], CacheCase]] = {
     "mha": _mha, "mla_bf16": _mla, "mla_fp8": _mla, "kv_fp8_scales": _kv_fp8_scales,
     "indexer": _indexer, "hybrid": _hybrid,
 }
 
 
-def geometry(family: str, chunk: int, span: int, smoke: bool = False) -> Geometry:
+def cache_case(family: str, chunk: int, span: int, smoke: bool = False) -> CacheCase:
     """The cache for ``family`` with chunks of about ``chunk`` bytes and at least ``span``
     bytes of distinct blocks (two sets: saves and loads)."""
     build = _BUILDERS.get(family)
@@ -181,7 +182,7 @@ class _Slab:
 
 @dataclass
 class Cell:
-    geo: Geometry
+    geo: CacheCase
     layout: Any
     mover: Any
     storages: list[Any]
@@ -192,7 +193,7 @@ class Cell:
     sizes: dict[str, int]
 
 
-def _allocate(geo: Geometry, device: Any) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+def _allocate(geo: CacheCase, device: Any) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """The cache tensors (random bytes, never all zeros), the layer objects holding scales,
     and every storage."""
     import torch
@@ -260,7 +261,7 @@ class _Blocks:
     state_dst: list[int]
 
 
-def _blocks(geo: Geometry, n_chunks: int, n_states: int, seed: int) -> _Blocks:
+def _blocks(geo: CacheCase, n_chunks: int, n_states: int, seed: int) -> _Blocks:
     """Randomly scattered, disjoint save and load blocks (except the hybrid's, which repeat)."""
     rng = random.Random(seed)
     nb = geo.num_blocks
@@ -285,7 +286,7 @@ def _blocks(geo: Geometry, n_chunks: int, n_states: int, seed: int) -> _Blocks:
     return _Blocks(src, dst, state_src, state_dst)
 
 
-def _save_jobs(geo: Geometry, b: _Blocks, n_chunks: int, n_states: int, first_slot: int,
+def _save_jobs(geo: CacheCase, b: _Blocks, n_chunks: int, n_states: int, first_slot: int,
                base_id: int) -> list[Any]:
     """One job per chunk, into slots from ``first_slot``; every ``state_every``-th chunk also
     saves a state object."""
@@ -301,7 +302,7 @@ def _save_jobs(geo: Geometry, b: _Blocks, n_chunks: int, n_states: int, first_sl
     return jobs
 
 
-def _load_jobs(geo: Geometry, b: _Blocks, n_chunks: int, kv_cb: int) -> list[Any]:
+def _load_jobs(geo: CacheCase, b: _Blocks, n_chunks: int, kv_cb: int) -> list[Any]:
     """Jobs of :data:`STEP_BYTES` of KV chunks each, from slot set A into ``dst``."""
     from kvtier.protocol import Job, TransferOp
 
@@ -317,9 +318,10 @@ def _load_jobs(geo: Geometry, b: _Blocks, n_chunks: int, kv_cb: int) -> list[Any
     return loads
 
 
-def build_cell(geo: Geometry, device: Any, pinned: Any, span: int, seed: int) -> Cell:
+def build_cell(geo: CacheCase, device: Any, pinned: Any, span: int, seed: int) -> Cell:
     """Allocate ``geo`` on ``device`` with slab slots in ``pinned``, and its jobs: saves into
     slot set A, loads from A, and saves into B (to run at the same time as the loads)."""
+    from kvtier.geometry import Geometry
     from kvtier.layout import GroupKind, GroupSpec, build_layout
     from kvtier.transfer import ChunkMover
 
@@ -327,7 +329,9 @@ def build_cell(geo: Geometry, device: Any, pinned: Any, span: int, seed: int) ->
     specs = [GroupSpec(GroupKind(kind), bs, tuple(names)) for kind, bs, names in geo.groups]
     layout = build_layout(kv, specs, geo.num_blocks, kv_cache_dtype=geo.kv_cache_dtype,
                           layers=layers)
-    cbytes = [g.bytes_per_block * b for g, b in zip(layout.groups, geo.bpc)]
+    # the chunk in tokens: the first group's blocks per chunk (a state chunk is one block)
+    geometry = Geometry.of_layout(layout, geo.bpc[0] * layout.groups[0].spec.block_size)
+    cbytes = [geometry.chunk_bytes(g) for g in range(len(geometry.groups))]
     kv_cb = cbytes[0]
     state_cb = cbytes[1] if len(cbytes) > 1 else 0
     per_boundary = kv_cb + (state_cb / geo.state_every if geo.state_every else 0)
@@ -337,7 +341,7 @@ def build_cell(geo: Geometry, device: Any, pinned: Any, span: int, seed: int) ->
     if slab_layout.total_bytes > pinned.numel():
         raise RuntimeError(f"{geo.family}: needs {slab_layout.total_bytes} pinned bytes, "
                            f"have {pinned.numel()}")
-    mover = ChunkMover(layout, _Slab(slab_layout, pinned), 0, list(range(len(layout.groups))), geo.bpc)
+    mover = ChunkMover(layout, geometry, _Slab(slab_layout, pinned), 0)
     b = _blocks(geo, n_chunks, n_states, seed)
     g0 = layout.groups[0]
     sizes = {"chunk_bytes": kv_cb, "bytes_per_block": g0.bytes_per_block,

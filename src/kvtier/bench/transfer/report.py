@@ -126,7 +126,7 @@ def _reference_rows(result: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if result.get("ceiling"):
         c = result["ceiling"]
-        out += ["", "| ceiling (pinned 1 GiB, median) | measured GB/s | DESIGN.md §3 | "
+        out += ["", "| ceiling (pinned 1 GiB, median) | measured GB/s | design.md §3 | "
                 "within 5% |", "|---|---|---|---|"]
         for k in ("d2h", "h2d", "both"):
             out.append(f"| {k} | {c[k]['gbps']:.1f} | {c[k]['design']} | "

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier.bench.transfer import report
 from kvtier.bench.transfer.baselines import ceilings, naive, probe
-from kvtier.bench.transfer.cases import GIB, KIB, MIB, STEP_BYTES, Cell, build_cell, geometry
+from kvtier.bench.transfer.cases import GIB, KIB, MIB, STEP_BYTES, Cell, build_cell, cache_case
 from kvtier.bench.transfer.gemm import Gemm, under_gemm
 from kvtier.bench.transfer.timing import run_phase, spot_check, warm
 
@@ -148,7 +148,7 @@ def _run_cell(st: Setting, result: dict[str, Any], host: Any, fam: str, chunk: i
     """One family at one chunk size on every path (and ``auto`` where it mixes paths); the
     mha 2 MiB cell also measures the naive path into ``result``."""
     t_cell = time.perf_counter()
-    geo = geometry(fam, chunk, st.span, st.smoke)
+    geo = cache_case(fam, chunk, st.span, st.smoke)
     cell = build_cell(geo, st.device, host, st.span, seed=seed)
     # The cell's job lists (tens of thousands of objects) live for the whole cell:
     # out of the collector's way, as a serving engine's long-lived state would be.

@@ -133,7 +133,7 @@ def _check_saved(cell: Cell, jobs: list[Any], kind: str, rng: random.Random, n: 
     for job in rng.sample(jobs, min(n, len(jobs))):
         for op in job.ops:
             g = cell.layout.groups[op.group]
-            b = cell.geo.bpc[0] if op.group == 0 else 1
+            b = cell.mover.geometry.blocks_per_chunk(op.group)
             want = torch.empty(cell.chunk_bytes[op.group], dtype=torch.uint8, device=dev)
             codec.gather(g, op.block_ids, b, want)
             got = slab.view(op.group, op.slot)[: cell.chunk_bytes[op.group]]
@@ -148,7 +148,7 @@ def _check_loaded(cell: Cell, rng: random.Random, n: int) -> None:
     from kvtier import codec
 
     g0 = cell.layout.groups[0]
-    bpc, cb = cell.geo.bpc[0], cell.chunk_bytes[0]
+    bpc, cb = cell.mover.geometry.blocks_per_chunk(0), cell.chunk_bytes[0]
     dev = g0.segments[0].storage.device
     for job in rng.sample(cell.load_jobs, min(n, len(cell.load_jobs))):
         op = job.ops[0]

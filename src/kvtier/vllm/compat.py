@@ -1,0 +1,124 @@
+"""Every difference between the vLLM versions kvtier supports (0.25.1 and 0.32), in one place.
+
+The scheduler side and the worker side ask this module, never vLLM's version or the shape of
+its objects directly. docs/vllm-api.md lists the API differences line by line; each function
+here says which one it absorbs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection
+from typing import Any
+
+from kvtier.keys import UNSUPPORTED
+
+try:  # vLLM 0.32: failures per request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    HAS_FAILED_RECVING = True
+except ImportError:  # vLLM 0.25.1: failures per block, one KV-cache group only
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+    HAS_FAILED_RECVING = False
+
+try:
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+except ImportError:  # pragma: no cover
+    generate_block_hash_extra_keys = None  # type: ignore[assignment]
+
+
+def loads_need_failed_recving(num_groups: int) -> bool:
+    """Whether loads must stay off for a model with ``num_groups`` kvtier groups: 0.25.1
+    reports load failures per block, which cannot be mapped with several groups."""
+    return num_groups > 1 and not HAS_FAILED_RECVING
+
+
+def parked_requests_drained_first() -> bool:
+    """Whether vLLM's scheduler admits requests that hold KV blocks (parked loads) before the
+    others. 0.32 keeps them in a queue of their own, drained first; 0.25.1's priority policy
+    compares the heads of its waiting and skipped queues by priority and stops at the first
+    request it cannot allocate, which can be one that needs the parked request's blocks."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:  # pragma: no cover
+        return True
+    return hasattr(Scheduler, "_holds_kv_blocks")
+
+
+def load_failure_policy(kv_transfer_config: Any) -> str:
+    """``kv_load_failure_policy`` of the transfer config (recompute where vLLM has none)."""
+    return str(getattr(kv_transfer_config, "kv_load_failure_policy", "recompute"))
+
+
+def extra_keys_fn(request: Any) -> Callable[[int, int], object] | None:
+    """The request's extra block-hash keys (multimodal, LoRA, ...) as vLLM computes them,
+    for token ranges in order; :data:`~kvtier.keys.UNSUPPORTED` where vLLM cannot say."""
+    if generate_block_hash_extra_keys is None:
+        return None
+    state = {"mm_idx": 0}
+
+    def extra(start: int, end: int) -> object:
+        try:
+            keys, state["mm_idx"] = generate_block_hash_extra_keys(
+                request, start, end, state["mm_idx"])
+        except Exception:  # anything we cannot reproduce must not be keyed
+            return UNSUPPORTED
+        return keys
+
+    return extra
+
+
+def skips_prefix_cache(request: Any) -> bool:
+    """Prompt logprobs need every token computed: 0.32 forces such a request's hit to 0,
+    0.25.1 asks the connector anyway."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
+
+
+def preempted_ids(scheduler_output: Any) -> list[str]:
+    """Requests preempted since the last step (0.32 lists them; absent on older outputs)."""
+    return list(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def is_resumed(cached_out: Any, i: int, req_id: str) -> bool:
+    """Whether cached request ``i`` comes back from preemption: 0.32 names them in
+    ``resumed_req_ids``, 0.25.1 flags them in ``resumed_from_preemption``."""
+    resumed: Collection[str] = getattr(cached_out, "resumed_req_ids", None) or set()
+    flags = getattr(cached_out, "resumed_from_preemption", None)
+    return req_id in resumed or bool(flags and flags[i])
+
+
+def copy_targets(scheduler_output: Any) -> list[int]:
+    """Destination blocks of this step's KV block copies (0.32's ``kv_cache_block_copies``;
+    none on 0.25.1): blocks handed out that no request table shows."""
+    return [dst for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+            if (dst := getattr(copy, "dst_block_id", None)) is not None]
+
+
+def spec_decode_tokens(scheduler_output: Any) -> dict[str, Any]:
+    """Draft tokens scheduled per request (their KV is not kept: never saved)."""
+    return getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+
+
+def transfer_results(finished_recving: set[str], failed_recving: set[str]) -> Any:
+    """0.32's ``get_transfer_results`` value (0.25.1 never calls that hook)."""
+    return KVConnectorTransferResults(finished_sending=set(), finished_recving=finished_recving,
+                                      failed_recving=failed_recving)
+
+
+def failed_blocks_to_report(failed_blocks: set[int]) -> set[int]:
+    """``get_block_ids_with_load_errors``: 0.25.1 takes failures per block; 0.32 takes them
+    per request through ``failed_recving`` (then no block is reported here)."""
+    return set() if HAS_FAILED_RECVING else set(failed_blocks)
+
+
+def rank() -> int:
+    """This worker's rank among the ranks of its engine: the tensor-parallel group's rank
+    (kvtier is off under pipeline parallelism). Not the world group's: with data parallelism
+    the world spans every engine, so a second engine's ranks would index past its shards.
+    RANK where vLLM has no group (tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except Exception:
+        return int(os.environ.get("RANK", "0"))

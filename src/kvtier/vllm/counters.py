@@ -1,0 +1,223 @@
+"""kvtier's counters: one table from which the connector's stats dict, the Prometheus series
+on vLLM's ``/metrics`` (:mod:`kvtier.vllm.prom`) and their documentation (docs/metrics.md,
+:func:`render_markdown`) all come. No vLLM import: the docs test and tools read it too.
+
+Each :class:`Metric` is one Prometheus metric ``vllm:kvtier_<name>`` and says where its values
+come from:
+
+- ``scheduler``: read from the :class:`~kvtier.scheduler.OffloadScheduler` when vLLM asks the
+  scheduler's connector for stats (totals; the connector sends their deltas);
+- ``worker``: read from each step's :class:`~kvtier.protocol.WorkerReport` (increments, summed
+  over ranks by vLLM);
+- ``derived``: computed by the Prometheus side from the other keys of one stats payload.
+
+A counter's series are stats keys (``series``), or, for a family keyed by a reason, every
+``<prefix><reason>`` key (``reasons``). Gauge keys start with ``gauge_`` (levels, not deltas).
+Stats keys and metric names never change: dashboards and ``kvtier bench`` read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.planner import Decline
+from kvtier.protocol import JobKind, SaveDrop
+
+COUNTER, GAUGE = "counter", "gauge"
+SCHEDULER, WORKER, DERIVED = "scheduler", "worker", "derived"
+GAUGE_PREFIX = "gauge_"
+PREFIX = "vllm:kvtier_"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One series of a metric: its stats key, its label value, and how to read it (from the
+    scheduler, a worker report, or for a derived series the stats payload; None: no value)."""
+
+    key: str
+    label: str = ""
+    read: Callable[[Any], Any] = lambda _: None
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    type: str  # COUNTER | GAUGE
+    source: str  # SCHEDULER | WORKER | DERIVED
+    doc: str
+    label: str = ""  # the label that tells its series apart ('' for one series)
+    series: tuple[Series, ...] = ()
+    reasons: tuple[str, ...] = ()  # a reason family: key ``series[0].key + reason``
+    reasons_of: Callable[[Any], dict[str, int]] | None = None  # reason -> count, from source
+
+    @property
+    def full_name(self) -> str:
+        return PREFIX + self.name + ("_total" if self.type == COUNTER else "")
+
+
+def _one(key: str, read: Callable[[Any], Any]) -> tuple[Series, ...]:
+    return (Series(key, "", read),)
+
+
+def _per_direction(save_key: str, load_key: str, read: Callable[[Any, JobKind], Any]
+                   ) -> tuple[Series, ...]:
+    return (Series(save_key, JobKind.SAVE.value, lambda r: read(r, JobKind.SAVE)),
+            Series(load_key, JobKind.LOAD.value, lambda r: read(r, JobKind.LOAD)))
+
+
+def _gbps(data: dict[str, Any], nbytes: str, seconds: str) -> float | None:
+    if data.get(nbytes) and data.get(seconds):
+        return data[nbytes] / data[seconds] / 1e9
+    return None
+
+
+def _failures(report: Any) -> int:
+    return (sum(f for _, f in report.saves.values())
+            + sum(f for _, f in report.loads.values()))
+
+
+def _occupancy(data: dict[str, Any]) -> float | None:
+    used, total = data.get("gauge_slots_used"), data.get("gauge_slots_total")
+    return used / total if used is not None and total else None
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("lookups", COUNTER, SCHEDULER, "Lookups of waiting requests in kvtier's index.",
+           series=_one("lookups", lambda s: s.stats.lookups)),
+    Metric("hits", COUNTER, SCHEDULER,
+           "Lookups that found stored chunks beyond the HBM hit and decided to load them.",
+           series=_one("hits", lambda s: s.stats.hits)),
+    Metric("hit_tokens", COUNTER, SCHEDULER,
+           "Prompt tokens kvtier promised to vLLM (decided loads).",
+           series=_one("hit_tokens", lambda s: s.stats.hit_tokens)),
+    Metric("restored_tokens", COUNTER, SCHEDULER,
+           "Prompt tokens restored from kvtier by loads that completed on every rank "
+           "(prefill work avoided).",
+           series=_one("loaded_tokens", lambda s: s.stats.loaded_tokens)),
+    Metric("loads", COUNTER, SCHEDULER, "Load jobs, by outcome.", label="outcome", series=(
+        Series("loads_started", "started", lambda s: s.stats.loads_started),
+        Series("loads_ok", "ok", lambda s: s.stats.loads_ok),
+        Series("loads_failed", "failed", lambda s: s.stats.loads_failed))),
+    Metric("loads_declined", COUNTER, SCHEDULER, "Hits not loaded, by reason.", label="reason",
+           series=(Series("declined_"),), reasons=tuple(r.value for r in Decline),
+           reasons_of=lambda s: s.stats.declined),
+    Metric("saves", COUNTER, SCHEDULER, "Chunk saves, by outcome.", label="outcome", series=(
+        Series("saves_planned", "planned", lambda s: s.stats.saves_planned),
+        Series("saves_committed", "committed", lambda s: s.stats.saves_committed),
+        Series("saves_failed", "failed", lambda s: s.stats.saves_failed))),
+    Metric("saves_dropped", COUNTER, SCHEDULER,
+           "Chunk saves dropped before they started, by reason.", label="reason",
+           series=(Series("saves_dropped_"),), reasons=tuple(r.value for r in SaveDrop),
+           reasons_of=lambda s: s.stats.saves_dropped),
+    Metric("evictions", COUNTER, SCHEDULER, "Chunks evicted from the DRAM tier to make room.",
+           series=_one("evictions", lambda s: s.index.evictions)),
+    Metric("transfer_bytes", COUNTER, WORKER,
+           "Bytes moved between the KV cache and the DRAM tier, per direction "
+           "(save: device to host).", label="direction",
+           series=_per_direction("bytes_saved", "bytes_loaded",
+                                 lambda r, k: r.bytes_saved if k is JobKind.SAVE
+                                 else r.bytes_loaded)),
+    Metric("transfer_seconds", COUNTER, WORKER,
+           "Seconds transfers took, per direction (summed over ranks and concurrent jobs).",
+           label="direction",
+           series=_per_direction("save_seconds", "load_seconds",
+                                 lambda r, k: r.save_seconds if k is JobKind.SAVE
+                                 else r.load_seconds)),
+    Metric("transfer_jobs", COUNTER, WORKER,
+           "Transfer jobs finished by workers, per direction (one per rank).",
+           label="direction",
+           series=_per_direction("save_jobs", "load_jobs",
+                                 lambda r, k: len(r.saves if k is JobKind.SAVE else r.loads))),
+    Metric("transfer_gbps", GAUGE, DERIVED,
+           "GB/s of the latest step that moved bytes, per direction.", label="direction",
+           series=(Series("", JobKind.SAVE.value,
+                          lambda d: _gbps(d, "bytes_saved", "save_seconds")),
+                   Series("", JobKind.LOAD.value,
+                          lambda d: _gbps(d, "bytes_loaded", "load_seconds")))),
+    Metric("transfer_failures", COUNTER, WORKER,
+           "Worker transfer jobs that failed (the load is recomputed, the save dropped).",
+           series=_one("transfer_failures", _failures)),
+    Metric("fences", COUNTER, SCHEDULER,
+           "Saves fenced because their source blocks were reallocated or their request "
+           "preempted.", series=_one("fences", lambda s: s.stats.fences)),
+    Metric("fences_waited", COUNTER, WORKER, "Fences a worker had to wait for.",
+           series=_one("fences_waited", lambda r: r.fences_waited)),
+    Metric("unsaveable_requests", COUNTER, SCHEDULER,
+           "Requests with extra keys kvtier cannot include (neither saved nor loaded).",
+           series=_one("unsaveable_requests", lambda s: s.stats.unsaveable_requests)),
+    Metric("resets", COUNTER, SCHEDULER,
+           "Resets of the DRAM tier (reset_prefix_cache with the connector).",
+           series=_one("resets", lambda s: s.stats.resets)),
+    Metric("slots_used", GAUGE, SCHEDULER, "DRAM-tier slots holding a chunk (or being written).",
+           series=_one("gauge_slots_used", lambda s: s.occupancy()[0])),
+    Metric("slots_total", GAUGE, SCHEDULER, "DRAM-tier slots.",
+           series=_one("gauge_slots_total", lambda s: s.occupancy()[1])),
+    Metric("occupancy", GAUGE, DERIVED,
+           "Share of DRAM-tier slots in use (slots_used / slots_total).",
+           series=_one("", _occupancy)),
+    Metric("chunk_tokens", GAUGE, SCHEDULER, "Tokens per stored chunk.",
+           series=_one("gauge_chunk_tokens", lambda s: s.geometry.chunk_tokens)),
+)
+
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+BY_KEY: dict[str, tuple[Metric, Series]] = {
+    s.key: (m, s) for m in METRICS if not m.reasons for s in m.series if s.key}
+"""Stats key -> its metric and series (reason families are matched by prefix)."""
+REASON_FAMILIES: tuple[Metric, ...] = tuple(m for m in METRICS if m.reasons)
+
+
+def scheduler_counts(scheduler: Any) -> dict[str, Any]:
+    """The scheduler side's stats: totals since start (counters) and levels (gauges)."""
+    out: dict[str, Any] = {}
+    for m in METRICS:
+        if m.source != SCHEDULER:
+            continue
+        if m.reasons_of is not None:
+            prefix = m.series[0].key
+            for reason, n in m.reasons_of(scheduler).items():
+                out[prefix + reason] = n
+            continue
+        for s in m.series:
+            out[s.key] = s.read(scheduler)
+    return out
+
+
+def worker_counts(report: Any) -> dict[str, Any]:
+    """One step's worker increments, from its :class:`~kvtier.protocol.WorkerReport`."""
+    return {s.key: s.read(report) for m in METRICS if m.source == WORKER for s in m.series}
+
+
+def series_of_key(key: str) -> tuple[Metric, dict[str, str]] | None:
+    """The metric and labels a stats key feeds, or None for a key the table does not know."""
+    known = BY_KEY.get(key)
+    if known is not None:
+        m, s = known
+        return m, ({m.label: s.label} if m.label else {})
+    for m in REASON_FAMILIES:
+        prefix = m.series[0].key
+        if key.startswith(prefix):
+            return m, {m.label: key[len(prefix):]}
+    return None
+
+
+def render_markdown() -> str:
+    """The generated part of docs/metrics.md: one row per metric."""
+    rows = ["| metric | type | labels | stats keys | source | what |",
+            "|---|---|---|---|---|---|"]
+    for m in METRICS:
+        if m.reasons:
+            labels = f"`{m.label}`: " + ", ".join(f"`{r}`" for r in m.reasons)
+            keys = f"`{m.series[0].key}<{m.label}>`"
+        else:
+            labels = (f"`{m.label}`: " + ", ".join(f"`{s.label}`" for s in m.series)
+                      if m.label else "")
+            keys = ", ".join(f"`{s.key}`" for s in m.series if s.key) or "(computed)"
+        rows.append(f"| `{m.full_name}` | {m.type} | {labels} | {keys} | {m.source} "
+                    f"| {m.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m kvtier.vllm.counters > the generated table
+    print(render_markdown(), end="")

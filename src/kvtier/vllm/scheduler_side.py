@@ -1,0 +1,220 @@
+"""The connector's scheduler side: vLLM's scheduler hooks translated to
+:class:`~kvtier.scheduler.OffloadScheduler` calls.
+
+Start-up handshake: the scheduler half sizes nothing until every worker has reported its
+:class:`~kvtier.geometry.Geometry` through the worker metadata of an engine step. Until then
+lookups are deferred (``None``) and :meth:`SchedulerSide.has_pending_push_work` keeps the
+engine stepping, so the first request waits one step, and both halves derive the same slab
+layout from the same geometry.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvtier.geometry import Geometry
+from kvtier.keys import Namespace
+from kvtier.log import get_logger
+from kvtier.protocol import StepPlan
+from kvtier.scheduler import (
+    CachedRequest,
+    NewRequest,
+    OffloadScheduler,
+    ScheduledTokens,
+    StepInput,
+)
+from kvtier.vllm import compat, startup
+from kvtier.vllm.counters import scheduler_counts
+from kvtier.vllm.groups import EngineGroups
+from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.vllm.setup import ConnectorSetup
+from kvtier.vllm.stats import stats_payload
+
+logger = get_logger("vllm.connector")
+
+MAX_GEOMETRY_DEFERRALS = 200
+"""Lookups deferred while waiting for the handshake; after that kvtier answers 0 (never hang a
+request on a missing handshake)."""
+
+
+class SchedulerSide:
+    def __init__(self, setup: ConnectorSetup) -> None:
+        self.setup = setup
+        self.scheduler: OffloadScheduler | None = None  # made at the handshake
+        self.requests: dict[str, Any] = {}  # vLLM's request objects, by id
+        self._deferrals = 0
+        self._last_output = time.monotonic()
+        self._prefill_tokens = 0
+        self._last_counts: dict[str, Any] = {}
+        # requests vLLM scheduled before the scheduler half existed: their block tables are
+        # unknown, so nothing is saved from them until a step hands over a full table
+        self._blind: set[str] = set()
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self.requests[request.request_id] = request
+        self._blind.discard(request.request_id)
+        if self.scheduler is not None:
+            # always a new lifecycle: vLLM may reuse the id of a finished request whose saves
+            # are still in flight, and that request's keys are not this one's
+            self.scheduler.add_request(request.request_id, getattr(request, "cache_salt", None),
+                                       compat.extra_keys_fn(request))
+
+    def _ensure_request(self, request: Any) -> None:
+        assert self.scheduler is not None
+        if request.request_id in self.scheduler.requests:
+            return
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request.request_id, getattr(request, "cache_salt", None),
+                                   compat.extra_keys_fn(request))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if self.setup.disabled_reason:
+            return 0, False
+        if self.scheduler is None:
+            self._deferrals += 1
+            if self._deferrals > MAX_GEOMETRY_DEFERRALS:
+                return 0, False  # never hang a request on a missing handshake
+            return None, False
+        if compat.skips_prefix_cache(request):
+            return 0, False
+        self._ensure_request(request)
+        tokens = request.all_token_ids
+        n = self.scheduler.lookup(request.request_id, tokens[: request.num_tokens],
+                                  num_computed_tokens)
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        groups = self.setup.groups
+        if self.scheduler is None or num_external_tokens == 0 or groups is None:
+            return
+        block_ids = groups.to_kvtier(blocks.get_block_ids())
+        self.scheduler.start_load(request.request_id, num_external_tokens, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
+        if self.setup.groups is None:
+            return ()
+        return tuple(self.setup.groups.engine_ids)  # every group kvtier restores, state too
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self.requests.pop(request.request_id, None)
+        self._blind.discard(request.request_id)
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request.request_id)
+        # Never hold blocks: saves in flight are fenced when their blocks are reallocated.
+        return False, None
+
+    # -- the step ---------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
+        sched, groups = self.scheduler, self.setup.groups
+        if sched is None or groups is None:
+            # vLLM can schedule a request before the layout handshake made the scheduler half
+            # (0.32 forces the hit of a request that skips the prefix cache to 0, even when
+            # kvtier deferred it; kvtier stops deferring after MAX_GEOMETRY_DEFERRALS)
+            self._blind.update(scheduler_output.num_scheduled_tokens)
+            return KvtierMetadata(StepPlan(), geometry_known=False)
+        for nr in scheduler_output.scheduled_new_reqs:
+            if nr.req_id in self.requests:
+                self._ensure_request(self.requests[nr.req_id])
+        step = step_input(scheduler_output, groups)
+        self._blind.difference_update(nr.req_id for nr in step.new)  # a full table
+        self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
+        step.scheduled = self._scheduled_tokens(scheduler_output)
+        return KvtierMetadata(sched.schedule_step(step), geometry_known=True)
+
+    def _scheduled_tokens(self, scheduler_output: Any) -> list[ScheduledTokens]:
+        """What each computing request's saves are planned from (draft tokens left out);
+        counts this step's prefill tokens for the prefill-rate estimate."""
+        scheduled = []
+        spec = compat.spec_decode_tokens(scheduler_output)
+        prefill = 0
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req_id in self._blind:
+                continue
+            computed_after = req.num_computed_tokens + n_sched - len(spec.get(req_id, ()))
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                prefill += n_sched
+            scheduled.append(ScheduledTokens(req_id, req.all_token_ids, computed_after,
+                                             req.num_prompt_tokens))
+        self._prefill_tokens = prefill
+        return scheduled
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KvtierWorkerMetadata):
+            return
+        if self.scheduler is None and wm.geometries:
+            self._start_scheduler(wm.geometries)
+        if self.scheduler is not None:
+            self.scheduler.on_report(wm.report)
+            now = time.monotonic()
+            self.scheduler.observe_step(now - self._last_output, self._prefill_tokens)
+            self._last_output = now
+
+    def _start_scheduler(self, geometries: list[Geometry]) -> None:
+        setup = self.setup
+        if len(geometries) < setup.world_size:
+            return  # wait until every rank reported
+        geometry = geometries[0]
+        if any(g != geometry for g in geometries):
+            raise RuntimeError(f"kvtier: ranks disagree on the KV layout: {geometries}")
+        num_shards = 1 if setup.replicated else setup.world_size
+        with startup.failures():
+            slab_layout = geometry.slab_layout(setup.config, num_shards)
+        ns = Namespace(
+            model=setup.model_name, layout_fingerprint=geometry.fingerprint,
+            kv_cache_dtype=setup.kv_cache_dtype, chunk_tokens=geometry.chunk_tokens,
+            model_revision=setup.config.model_revision, tp_size=setup.tp_size,
+            extra=setup.config.namespace_extra,
+        ).digest()
+        self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
+                                          world_size=setup.world_size,
+                                          loads_enabled=setup.loads_enabled)
+        for req in list(self.requests.values()):
+            self._ensure_request(req)
+        logger.info("kvtier: %d chunk slots per group of %d tokens, %s",
+                    slab_layout.classes[0].num_slots, geometry.chunk_tokens,
+                    [c.name for c in slab_layout.classes])
+
+    def has_pending_push_work(self) -> bool:
+        if self.setup.disabled_reason:
+            return False
+        if self.scheduler is None:
+            return bool(self.requests) and self._deferrals <= MAX_GEOMETRY_DEFERRALS
+        return self.scheduler.has_pending_work()
+
+    def stats(self) -> dict[str, Any]:
+        """Counter deltas since the last call, and the gauges (:mod:`kvtier.vllm.counters`)."""
+        counts = scheduler_counts(self.scheduler) if self.scheduler is not None else {}
+        before, self._last_counts = self._last_counts, counts
+        return stats_payload(counts, before)
+
+    def reset_cache(self) -> bool | None:
+        if self.scheduler is not None:
+            self.scheduler.reset()
+        return True
+
+
+def step_input(scheduler_output: Any, groups: EngineGroups) -> StepInput:
+    """vLLM's scheduler output as kvtier's step input (block tables in kvtier's groups), less
+    the scheduled tokens. A request preempted since the last step (reset_prefix_cache with
+    reset_running_requests preempts between steps) may be resumed in this very step: the
+    scheduler orders that, not this translation."""
+    new = [NewRequest(nr.req_id, groups.to_kvtier(nr.block_ids))
+           for nr in scheduler_output.scheduled_new_reqs]
+    cached_out = scheduler_output.scheduled_cached_reqs
+    cached = []
+    for i, req_id in enumerate(cached_out.req_ids):
+        new_ids = cached_out.new_block_ids[i]
+        cached.append(CachedRequest(
+            req_id, None if new_ids is None else groups.to_kvtier(new_ids),
+            resumed=compat.is_resumed(cached_out, i, req_id) and new_ids is not None))
+    copies = compat.copy_targets(scheduler_output)
+    return StepInput(
+        preempted=compat.preempted_ids(scheduler_output), new=new, cached=cached,
+        copy_targets=[copies] * len(groups.engine_ids) if copies else [],
+    )

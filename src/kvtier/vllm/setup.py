@@ -1,0 +1,76 @@
+"""What the connector decides once, at start-up, from vLLM's configuration: kvtier's settings,
+the engine's shape (ranks, KV-cache groups) and what kvtier does for it (off, saving only,
+saving and loading). Both sides take the same :class:`ConnectorSetup`. Refusals go through
+:mod:`kvtier.vllm.startup` (one ``kvtier: ...`` line, printed last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import KvtierConfig
+from kvtier.log import get_logger
+from kvtier.vllm import compat, startup
+from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
+
+logger = get_logger("vllm.connector")
+
+
+@dataclass(frozen=True)
+class ConnectorSetup:
+    config: KvtierConfig
+    world_size: int  # tensor x pipeline ranks
+    tp_size: int
+    groups: EngineGroups | None  # None: kvtier cannot serve this model
+    disabled_reason: str | None  # set: kvtier is off for this engine
+    loads_enabled: bool  # False: saving only
+    replicated: bool  # one slab copy for every rank (MLA under TP)
+    kv_cache_dtype: str
+    model_name: str
+
+
+def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
+           is_scheduler: bool) -> ConnectorSetup:
+    """Read and check everything; a setting or combination kvtier refuses is a
+    :class:`~kvtier.vllm.startup.StartupError` (a ValueError) naming the fix."""
+    extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    with startup.failures(todo=startup.SETTINGS_TODO):
+        config = KvtierConfig.load(extra)
+    startup.check_failure_policy(compat.load_failure_policy(kv_transfer_config),
+                                 config.allow_fail_policy)
+    parallel = vllm_config.parallel_config
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    disabled_reason = "pipeline parallelism is not supported yet" if pp > 1 else None
+    groups: EngineGroups | None = None
+    try:
+        groups = engine_groups(kv_cache_config)
+    except UnsupportedModel as e:
+        disabled_reason = str(e)
+    loads_enabled = _loads_enabled(vllm_config, groups, is_scheduler)
+    if disabled_reason:
+        logger.warning("kvtier is off for this engine: %s", disabled_reason)
+    return ConnectorSetup(
+        config=config, world_size=tp * pp, tp_size=tp, groups=groups,
+        disabled_reason=disabled_reason, loads_enabled=loads_enabled,
+        replicated=bool(getattr(vllm_config.model_config, "use_mla", False)) and tp > 1,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        model_name=str(vllm_config.model_config.model),
+    )
+
+
+def _loads_enabled(vllm_config: Any, groups: EngineGroups | None, is_scheduler: bool) -> bool:
+    if groups is not None and compat.loads_need_failed_recving(len(groups.engine_ids)):
+        logger.warning("kvtier: this vLLM reports load failures per block, which it cannot "
+                       "map with %d KV-cache groups: saving only, loads are off",
+                       len(groups.engine_ids))
+        return False
+    sched_policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
+    if (is_scheduler and sched_policy == "priority"
+            and not compat.parked_requests_drained_first()):
+        logger.warning("kvtier: this vLLM's priority scheduler can leave a request parked "
+                       "for a load behind a higher-priority request that needs its blocks "
+                       "(a deadlock): saving only, loads are off; use the fcfs policy or "
+                       "vLLM >= 0.32")
+        return False
+    return True

@@ -1,0 +1,185 @@
+"""The connector's worker side: vLLM's worker hooks translated to
+:class:`~kvtier.worker.OffloadWorker` calls.
+
+Per step: the plan arrives in the bound metadata; fences go first (``handle_preemptions``, or
+at bind on a vLLM without it), loads start at bind (before the forward), saves at
+``wait_for_save`` (after it, never waited for), and completions are collected by
+``get_finished`` / ``get_transfer_results`` and handed to the scheduler side in the worker
+metadata, with this rank's :class:`~kvtier.geometry.Geometry` until the scheduler side
+acknowledged it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvtier.geometry import Geometry, resolve_chunk_tokens
+from kvtier.layout import build_layout
+from kvtier.log import get_logger, worker_census
+from kvtier.protocol import StepPlan
+from kvtier.slab import Pinner
+from kvtier.transfer import ChunkMover, TransferEngine
+from kvtier.vllm import compat, startup
+from kvtier.vllm.block_axes import registered_block_axes
+from kvtier.vllm.counters import worker_counts
+from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.vllm.ranks import engine_shared_slab
+from kvtier.vllm.setup import ConnectorSetup
+from kvtier.vllm.stats import stats_payload
+from kvtier.worker import OffloadWorker, StepResult
+
+logger = get_logger("vllm.connector")
+
+EngineFactory = Callable[[ChunkMover], TransferEngine]
+
+
+def transfer_engine_factory(setup: ConnectorSetup, device_is_cuda: bool
+                            ) -> EngineFactory | None:
+    """The transfer engine for a KV cache on a GPU (the CUDA engine), else None (the worker's
+    CPU engine)."""
+    if not device_is_cuda:
+        return None
+    from kvtier.gpu.engine import CudaTransferEngine
+
+    config = setup.config
+
+    def make(mover: ChunkMover) -> TransferEngine:
+        return CudaTransferEngine(mover, config, mode=config.transfer_path)
+
+    return make
+
+
+class WorkerSide:
+    """``engine_factory(device_is_cuda)`` picks the transfer engine factory: the connector's
+    seam (test connectors wrap it, see :mod:`kvtier.testing.faults`)."""
+
+    def __init__(self, setup: ConnectorSetup, vllm_config: Any, kv_cache_config: Any,
+                 engine_factory: Callable[[bool], EngineFactory | None]) -> None:
+        self.setup = setup
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._engine_factory = engine_factory
+        self.worker: OffloadWorker | None = None
+        self._geometry: Geometry | None = None
+        self._geometry_acked = False
+        self._result = StepResult()
+        self._fenced_step = -1
+        self._begun_step = -1
+        self._counts: dict[str, Any] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        setup = self.setup
+        if setup.disabled_reason or setup.groups is None:
+            return
+        layers = dict(getattr(self._vllm_config.compilation_config,
+                              "static_forward_context", {}) or {})
+        # the block axis of each tensor as vLLM declares it (never guessed from sizes)
+        block_axes = registered_block_axes(kv_caches, self._kv_cache_config, layers,
+                                           setup.kv_cache_dtype)
+        layout = build_layout(
+            kv_caches, setup.groups.specs, int(self._kv_cache_config.num_blocks),
+            kv_cache_dtype=setup.kv_cache_dtype, layers=layers, block_axes=block_axes,
+        )
+        with startup.failures():
+            chunk = resolve_chunk_tokens(setup.config.chunk_tokens,
+                                         [g.spec.block_size for g in layout.groups])
+        rank = compat.rank()
+        device_is_cuda = any(
+            isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
+        with startup.failures():  # the slab: dram_size, host memory, /dev/shm, pinning
+            shm = engine_shared_slab(self._vllm_config) if setup.world_size > 1 else None
+            self.worker = OffloadWorker(
+                setup.config, layout, chunk, rank=rank, world_size=setup.world_size,
+                replicated=setup.replicated, shared=shm, pinner=_pinner(device_is_cuda),
+                engine_factory=self._engine_factory(device_is_cuda),
+            )
+        self._geometry = self.worker.geometry
+        transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
+        logger.info("%s", worker_census(rank, layout, chunk, self.worker.slab_layout.total_bytes,
+                                        transfer))
+
+    # -- the step ---------------------------------------------------------------------------
+    @staticmethod
+    def _step_plan(meta: Any) -> tuple[StepPlan | None, bool]:
+        if isinstance(meta, KvtierMetadata):
+            return meta.plan, meta.geometry_known
+        return None, False
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        plan, _ = self._step_plan(kv_connector_metadata)
+        if self.worker is not None and plan is not None:
+            self.worker.fence(plan)
+            self._fenced_step = plan.step
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        plan, known = self._step_plan(connector_metadata)
+        if known:
+            self._geometry_acked = True
+        if self.worker is None or plan is None or plan.step == self._begun_step:
+            return
+        if self._fenced_step != plan.step:  # vLLM without handle_preemptions (or not called)
+            self.worker.fence(plan)
+            self._fenced_step = plan.step
+        self.worker.begin_step(plan)  # loads start before the forward, on their own thread
+        self._begun_step = plan.step
+
+    def wait_for_save(self, connector_metadata: Any) -> None:
+        if self.worker is None:
+            return
+        plan, _ = self._step_plan(connector_metadata)
+        if plan is not None and plan.saves:
+            self.worker.end_step(plan)  # queued, not waited for
+
+    def _collect(self) -> StepResult:
+        if self.worker is None:
+            return StepResult()
+        res = self.worker.collect()
+        for k, v in worker_counts(res.report).items():
+            if v:
+                self._counts[k] = self._counts.get(k, 0) + v
+        # Reports accumulate until build_connector_worker_meta hands them over: a second
+        # collection before that (any engine path that polls twice) must not drop the first.
+        self._result = self._result.merge(res)
+        return res
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        res = self._collect()
+        return None, (res.finished_loads or None)
+
+    def get_transfer_results(self) -> Any:
+        res = self._collect()
+        return compat.transfer_results(set(res.finished_loads), set(res.failed_loads))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return compat.failed_blocks_to_report(self._result.failed_blocks)
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        geoms = [self._geometry] if (self._geometry and not self._geometry_acked) else []
+        meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms)
+        self._result = StepResult()
+        return meta
+
+    def stats(self) -> dict[str, Any]:
+        """Counter increments since the last call (vLLM sums them over ranks)."""
+        counts, self._counts = self._counts, {}
+        return stats_payload(counts, {})
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+def _pinner(device_is_cuda: bool) -> Pinner | None:
+    """The CUDA pinner for a cache on a GPU; vLLM set this worker's device before it
+    registered the caches, and the registration is made for the current context."""
+    if not device_is_cuda:
+        return None
+    from kvtier.gpu.pinning import CudaPinner
+
+    return CudaPinner()

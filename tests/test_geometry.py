@@ -1,0 +1,82 @@
+"""kvtier.geometry: one value for chunk and group geometry, built from a real layout, with the
+per-kind rules the scheduler and planner use (which chunks a load restores, which blocks a
+save reads or a load writes, which chunks a hit needs)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
+from kvtier.config import ConfigError
+from kvtier.geometry import NULL_BLOCK, Geometry, GroupGeometry, resolve_chunk_tokens
+from kvtier.layout import GroupKind
+from kvtier.protocol import SKIP, SaveDrop
+
+C = 64
+FULL = GroupGeometry(GroupKind.FULL, 16, 100)
+WINDOW = GroupGeometry(GroupKind.SLIDING_WINDOW, 16, 10, sliding_window=100)
+STATE = GroupGeometry(GroupKind.STATE, 64, 7)
+GEO = Geometry(C, (FULL, WINDOW, STATE))
+
+
+def test_of_a_real_layout_a_state_chunk_is_one_block() -> None:
+    kv = SmallKV()
+    geo = Geometry.of_layout(kv.layout, CHUNK_TOKENS)
+    assert geo.fingerprint == kv.layout.fingerprint
+    assert [geo.blocks_per_chunk(g) for g in range(2)] == [2, 1]
+    assert [geo.chunk_bytes(g) for g in range(2)] == [
+        2 * kv.layout.groups[0].bytes_per_block, kv.layout.groups[1].bytes_per_block]
+    assert geo.slot_classes == (0, 1)
+    slab = geo.slab_layout(CONFIG, 1)
+    assert [c.slot_bytes for c in slab.classes] == [geo.chunk_bytes(0), geo.chunk_bytes(1)]
+    assert pickle.loads(pickle.dumps(geo)) == geo  # it travels in the handshake
+
+
+def test_chunk_size_is_checked_once() -> None:
+    with pytest.raises(ValueError, match="multiple of 48"):
+        Geometry(64, (GroupGeometry(GroupKind.FULL, 16, 1), GroupGeometry(GroupKind.FULL, 48, 1)))
+    assert resolve_chunk_tokens(None, [16, 48]) == 288
+    with pytest.raises(ConfigError, match="chunk_tokens=48 or 96"):
+        resolve_chunk_tokens(50, [16, 48])
+
+
+def test_slot_classes_one_per_kv_group_then_one_for_all_state() -> None:
+    geo = Geometry(C, (STATE, FULL, STATE, WINDOW))
+    assert geo.slot_classes == (2, 0, 2, 1)
+    assert geo.kv_groups == [1, 3] and geo.full_groups == [1] and geo.state_groups == [0, 2]
+
+
+def test_which_chunks_a_load_restores_and_a_hit_needs() -> None:
+    # boundary 5 (320 tokens), 2 chunks in HBM; the window (100 tokens) reaches chunk 3
+    assert GEO.chunks_to_load(0, 2, 5) == range(2, 5)
+    assert GEO.chunks_to_load(1, 2, 5) == range(3, 5)
+    assert GEO.chunks_to_load(2, 2, 5) == range(4, 5)
+    assert GEO.chunks_checked_at(0, 5) == range(0)  # the prefix chain: matched by the index
+    assert GEO.chunks_checked_at(1, 5) == range(3, 5)
+    assert GEO.chunks_checked_at(2, 5) == range(4, 5)
+
+
+def test_which_blocks_a_save_reads() -> None:
+    table = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert GEO.blocks_to_save(0, table, 1, 128) == [5, 6, 7, 8]
+    assert GEO.blocks_to_save(0, [1, 2, 3], 0, 64) == SaveDrop.BLOCKS_MISSING
+    assert GEO.blocks_to_save(0, [1, NULL_BLOCK, 3, 4], 0, 64) == SaveDrop.BLOCKS_MISSING
+    assert GEO.blocks_to_save(1, [NULL_BLOCK, NULL_BLOCK, 3, 4], 0, 64) is None  # out of window
+    state_table = [11, 12, 13]  # one state block per 64 tokens
+    assert GEO.blocks_to_save(2, state_table, 1, 128) == [12]
+    assert GEO.blocks_to_save(2, state_table, 1, 130) is None  # no state ends there
+
+
+def test_which_blocks_a_load_writes() -> None:
+    table = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert GEO.blocks_to_load(0, table, 1, 0) == [5, 6, 7, 8]
+    assert GEO.blocks_to_load(0, table, 1, 96) == [SKIP, SKIP, 7, 8]  # below: the HBM hit
+    assert GEO.blocks_to_load(1, [0, 0, 0, 0, 5, 6], 1, 0) == [5, 6, SKIP, SKIP]
+    assert GEO.blocks_to_load(2, [11, 12, 13], 2, 0) == [13]
+
+
+def test_load_bytes_per_kind() -> None:
+    # full: blocks 6..19 (14 x 100); window: chunk 3 on (blocks 12..19, 8 x 10); state: 7
+    assert GEO.load_bytes(5, 96) == 14 * 100 + 8 * 10 + 7

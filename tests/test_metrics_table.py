@@ -1,0 +1,76 @@
+"""The one counters table (kvtier.vllm.counters): docs/metrics.md is generated from it, its
+stats keys and metric names are the ones dashboards and ``kvtier bench`` read, and the
+stats dicts the connector sends are made from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.config import KvtierConfig
+from kvtier.geometry import Geometry, GroupGeometry
+from kvtier.layout import GroupKind
+from kvtier.protocol import WorkerReport
+from kvtier.scheduler import NewRequest, OffloadScheduler, ScheduledTokens, StepInput
+from kvtier.vllm.counters import METRICS, render_markdown, scheduler_counts, worker_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN = "<!-- BEGIN GENERATED: python -m kvtier.vllm.counters -->\n"
+END = "<!-- END GENERATED -->"
+
+# The names before the table existed (kvtier.vllm.prom's COUNTERS/GAUGES/DOCS and the
+# connector's _scheduler_counts/_collect): they must never change.
+STATS_KEYS = {
+    "lookups", "hits", "hit_tokens", "loaded_tokens", "loads_started", "loads_ok",
+    "loads_failed", "saves_planned", "saves_committed", "saves_failed", "evictions",
+    "bytes_saved", "bytes_loaded", "save_seconds", "load_seconds", "save_jobs", "load_jobs",
+    "transfer_failures", "fences", "fences_waited", "unsaveable_requests", "resets",
+    "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
+}
+METRIC_NAMES = {
+    "lookups", "hits", "hit_tokens", "restored_tokens", "loads", "loads_declined", "saves",
+    "saves_dropped", "evictions", "transfer_bytes", "transfer_seconds", "transfer_jobs",
+    "transfer_gbps", "transfer_failures", "fences", "fences_waited", "unsaveable_requests",
+    "resets", "slots_used", "slots_total", "occupancy", "chunk_tokens",
+}
+
+
+def test_docs_metrics_md_is_the_table() -> None:
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    assert BEGIN in text and END in text, "docs/metrics.md lost its generated-section markers"
+    generated = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert generated == render_markdown(), (
+        "docs/metrics.md is out of date: regenerate its table with "
+        "`python -m kvtier.vllm.counters`")
+
+
+def test_names_are_unchanged() -> None:
+    assert {m.name for m in METRICS} == METRIC_NAMES
+    keys = {s.key for m in METRICS if not m.reasons for s in m.series if s.key}
+    assert keys == STATS_KEYS
+    assert {m.series[0].key for m in METRICS if m.reasons} == {"declined_", "saves_dropped_"}
+
+
+def test_the_stats_dicts_come_from_the_table() -> None:
+    geo = Geometry(32, (GroupGeometry(GroupKind.FULL, 16, 4096),))
+    config = KvtierConfig(dram_size="4MiB", cost_model=False)
+    sched = OffloadScheduler(config, geo, b"n" * 16, geo.slab_layout(config, 1))
+    sched.add_request("a")
+    prompt = list(range(1, 101))
+    sched.lookup("a", prompt, 0)
+    plan = sched.schedule_step(StepInput(new=[NewRequest("a", [list(range(1, 8))])],
+                                         scheduled=[ScheduledTokens("a", prompt, 100, 100)]))
+    sched.on_report(WorkerReport(saves={j.job_id: [1, 0] for j in plan.saves}))
+    counts = scheduler_counts(sched)
+    assert counts["lookups"] == 1 and counts["saves_planned"] == counts["saves_committed"] == 3
+    assert counts["declined_not_stored"] == 1  # a reason family: one key per reason seen
+    assert counts["gauge_chunk_tokens"] == 32 and counts["gauge_slots_used"] == 3
+    scheduler_keys = {s.key for m in METRICS if m.source == "scheduler" and not m.reasons
+                      for s in m.series}
+    assert scheduler_keys <= set(counts)
+
+    report = WorkerReport(saves={1: [1, 0], 2: [0, 1]}, loads={3: [0, 1]}, bytes_saved=10,
+                          save_seconds=0.5, fences_waited=2)
+    w = worker_counts(report)
+    assert (w["save_jobs"], w["load_jobs"], w["transfer_failures"]) == (2, 1, 2)
+    assert (w["bytes_saved"], w["save_seconds"], w["bytes_loaded"]) == (10, 0.5, 0)
+    assert w["fences_waited"] == 2
