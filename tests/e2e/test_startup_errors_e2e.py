@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.bench.serving import free_port
 from kvtier.config import ConfigError, KvtierConfig
+from kvtier.geometry import resolve_chunk_tokens
 from kvtier.vllm import startup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,8 @@ def _lines(text: str) -> list[str]:
 
 def _chunk_line(chunk: int, block: int) -> str:
     with pytest.raises(ConfigError) as info:
-        KvtierConfig.load({"chunk_tokens": chunk}, environ={}).resolve_chunk_tokens([block])
+        resolve_chunk_tokens(KvtierConfig.load({"chunk_tokens": chunk}, environ={}).chunk_tokens,
+                             [block])
     return startup.one_line(str(info.value))
 
 

@@ -73,7 +73,8 @@ class Driver:
         self.oracle.transport = self.transport
         self.runners: list[FakeRunner] = []
         for rank in range(sc.world_size):
-            r = FakeRunner(rank, self.cfg, self.kvc, self.transport, self.oracle)
+            r = FakeRunner(rank, self.cfg, self.kvc, self.transport, self.oracle,
+                           self.runners[0].worker.slab if self.runners else None)
             r.scheduler = self.sched
             self.runners.append(r)
         self.oracle.runners = self.runners

@@ -26,10 +26,13 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 import numpy as np
 import torch
 
+from kvtier.slab import HostSlab
+from kvtier.vllm import worker_side
 from kvtier.vllm.connector import KvtierConnector
 
 from . import content
@@ -98,7 +101,7 @@ def positions(block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, n
 
 class FakeRunner:
     def __init__(self, rank: int, vllm_config: Any, kv_cache_config: Any, transport: Transport,
-                 oracle: Oracle) -> None:
+                 oracle: Oracle, slab_of_rank0: HostSlab | None = None) -> None:
         self.rank = rank
         self.oracle = oracle
         self.transport = transport
@@ -108,7 +111,11 @@ class FakeRunner:
         old = os.environ.get("RANK")
         os.environ["RANK"] = str(rank)  # kvtier reads the rank from vLLM's world group, or RANK
         try:
-            self.connector.register_kv_caches(dict(self.cache.tensors))
+            # Every rank of the harness lives in this one process, where no collective across
+            # ranks can run: each builds a private slab (no shared segment), and rank 0's slab
+            # then serves every rank, as the one shared segment does for real ranks.
+            with mock.patch.object(worker_side, "engine_shared_slab", lambda _config: None):
+                self.connector.register_kv_caches(dict(self.cache.tensors))
         finally:
             if old is None:
                 del os.environ["RANK"]
@@ -116,6 +123,9 @@ class FakeRunner:
                 os.environ["RANK"] = old
         worker = self.connector.worker_side.worker
         assert worker is not None, "kvtier did not start its worker half"
+        if slab_of_rank0 is not None:
+            worker.slab.close()
+            worker.slab = worker.mover.slab = slab_of_rank0
         self.worker = worker
         original = worker.engine
         worker.engine = HarnessEngine(transport, rank, worker.mover)
