@@ -16,22 +16,13 @@ on the H200 differs from the seed.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.testing.models import _write  # one writer of dummy-weight model folders
+
 VOCAB = 4096  # every seed: reduced vocabulary (token-id prompts, no tokenizer)
-
-
-def _write(path: str, config: dict[str, Any]) -> str:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
-    return path
 
 
 def _common(architecture: str, model_type: str, max_len: int) -> dict[str, Any]:
