@@ -215,13 +215,18 @@ def test_tiny_block_counts_with_kernel_blocks(num_blocks: int) -> None:
     assert_sizes_do_not_decide(a)
 
 
-@pytest.mark.parametrize("num_blocks", [1, 2])
-def test_tiny_block_counts_with_recurrent_state(num_blocks: int) -> None:
+def mamba2_spec() -> MambaSpec:
+    """A small mamba2 layer's state spec (block 64, align mode), from vLLM's own calculators."""
     shapes = MambaStateShapeCalculator.mamba2_state_shape(
         tp_world_size=1, intermediate_size=256, n_groups=1, num_heads=8, head_dim=32,
         state_size=16, conv_kernel=4)
     dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "float32")
-    mamba = MambaSpec(block_size=64, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+    return MambaSpec(block_size=64, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_tiny_block_counts_with_recurrent_state(num_blocks: int) -> None:
+    mamba = mamba2_spec()
     full = dense_spec(FlashAttentionBackend, block_size=64)
     specs: dict[str, KVCacheSpec] = {"model.layers.0.mixer": mamba, attn(1): full}
     a = allocate(specs, KVCacheLayout.LBHNC, num_blocks)
@@ -422,11 +427,7 @@ class _Mamba2(MambaBase):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_recurrent_state_beside_attention(layout: KVCacheLayout) -> None:
-    shapes = MambaStateShapeCalculator.mamba2_state_shape(
-        tp_world_size=1, intermediate_size=256, n_groups=1, num_heads=8, head_dim=32,
-        state_size=16, conv_kernel=4)
-    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "float32")
-    mamba = MambaSpec(block_size=64, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+    mamba = mamba2_spec()
     full = dense_spec(FlashAttentionBackend, block_size=64)
     names = {0: "model.layers.0.mixer", 1: attn(1), 2: "model.layers.2.mixer", 3: attn(3)}
     specs: dict[str, KVCacheSpec] = {n: (mamba if "mixer" in n else full)
@@ -449,7 +450,7 @@ def test_recurrent_state_beside_attention(layout: KVCacheLayout) -> None:
     # Through the mamba layer's own per-state views (conv, then ssm), the same bytes.
     addressers: list[BlockAddresser] = []
     for n in sorted(a.config.kv_cache_groups[sid].layer_names):
-        layer = _Mamba2(shapes, dtypes)
+        layer = _Mamba2(mamba.shapes, mamba.dtypes)
         layer.bind_kv_cache(a.kv_caches[n])
         addressers += [lambda b, t=t: t[b] for t in layer.kv_cache]
     check_group(state, addressers, seed=9)
