@@ -129,13 +129,16 @@ def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
-                           "--families", "mha,hybrid", "--chunks", "256KiB", "--out",
+                           "--families", "mha,hybrid,kimi_linear", "--chunks", "256KiB,2MiB",
+                           "--out",
                            str(tmp_path), "--tag", "t"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (js,) = tmp_path.glob("transfer-*-cpu-smoke-t.json")
     result = json.loads(js.read_text())
-    assert [c["family"] for c in result["cells"]] == ["mha", "hybrid"]
+    # a registered layout runs once, at its own chunk, whatever --chunks lists
+    assert [c["family"] for c in result["cells"]] == ["mha", "mha", "hybrid", "hybrid",
+                                                      "kimi_linear"]
     for c in result["cells"]:
         assert "errors" not in c and set(c["modes"]) == {"dma", "kernel"}
         for m in c["modes"].values():
@@ -143,3 +146,20 @@ def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
     md = js.with_suffix(".md").read_text()
     assert "| mha | 8 KiB x1 | 8192..8192 | kernel* |" in md and "| hybrid |" in md
     assert js.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_kimi_linear_layout_is_what_vllm_registered_on_the_h200() -> None:
+    """27 layers as vLLM 0.25.1 registered them (run2/kimi_linear.json, 4 layers there):
+    MLA (nb, 1888, 576) bf16; KDA pages of 2,174,976 bytes holding conv (3, 12288) bf16 then
+    the recurrent state (32, 128, 128) float32; one block per chunk; a state per chunk."""
+    geo = cases.cache_case("kimi_linear", 2 * MIB, 1 << 30)
+    (mla_kind, bs, mla), (state_kind, state_bs, kda) = geo.groups
+    assert (mla_kind, state_kind, bs, state_bs, len(mla), len(kda)) == (
+        "full", "state", 1888, 1888, 7, 20)
+    assert geo.tensors[mla[0]] == ((geo.num_blocks, 1888, 576), "bfloat16")
+    assert geo.tensors[kda[0]] == [((geo.num_blocks, 3, 12288), "bfloat16"),
+                                   ((geo.num_blocks, 32, 128, 128), "float32")]
+    assert geo.page_bytes[kda[0]] == 2174976 == 1888 * 576 * 2
+    assert geo.bpc == [1, 1] and geo.state_every == 1
+    boundary = 7 * 2174976 + 20 * (3 * 12288 * 2 + 32 * 128 * 128 * 4)
+    assert geo.num_blocks >= 2 * ((1 << 30) // boundary)  # distinct blocks per direction

@@ -23,6 +23,19 @@ import time
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
+# Per model: the HBM budget of the ``hbm``/``kvtier``/``native`` runs (about two prefixes'
+# KV and state, as in design §3) and of ``big`` (every prefix stays), in vLLM blocks.
+# Kimi-Linear at 27 layers (20 KDA + 7 MLA, kvtier.testing.seed_models.kimi_linear): vLLM
+# 0.25.1 makes 4 KV-cache groups of 7 layers (1 MLA, 3 KDA) with 1,888-token blocks of
+# 2,174,976 bytes per layer (15.2 MB per block id over the 7 tensors). A 17,408-token request
+# holds 10 MLA blocks and, in ``align`` mode, one KDA block per group at each forward step's
+# end (chunked prefill of 8,192 tokens ends steps every 4 blocks): about 19 block ids; its
+# cached prefix keeps the 8 MLA blocks and the KDA states at the step ends.
+MODELS: dict[str, dict] = {
+    "llama8b": {"hbm_blocks": 2600, "big_blocks": 12000},
+    "kimi-linear": {"hbm_blocks": 48, "big_blocks": 400, "max_num_seqs": 16},
+}
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -40,9 +53,15 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default="/tmp/llama8b-shape")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (CPU dry run)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama8b",
+                    help="llama8b (default) or kimi-linear (27 layers, real hidden size)")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
     args = ap.parse_args()
+    spec = MODELS[args.model]
     if args.hbm_blocks is None:
-        args.hbm_blocks = 12000 if args.config == "big" else 2600
+        args.hbm_blocks = spec["big_blocks"] if args.config == "big" else spec["hbm_blocks"]
+    if args.max_num_seqs is None:
+        args.max_num_seqs = spec.get("max_num_seqs")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_restore_check import llama8b
@@ -62,10 +81,19 @@ def main() -> int:
 
         model = dict(model=tiny_llama(args.model_dir), dtype="float32", block_size=32)
         vocab = 900
+    elif args.model == "kimi-linear":
+        from kvtier.testing.seed_models import VOCAB, kimi_linear
+
+        max_len = args.prefix_len + args.suffix_len + args.output_len + 256
+        model = dict(model=kimi_linear(args.model_dir + "-kimi", layers=27, max_len=max_len),
+                     dtype="bfloat16", gpu_memory_utilization=0.85)
+        vocab = VOCAB - 200
     else:
         model = dict(model=llama8b(args.model_dir), dtype="bfloat16", block_size=16,
                      gpu_memory_utilization=0.85)
         vocab = 120000
+    if args.max_num_seqs:
+        model["max_num_seqs"] = args.max_num_seqs
     t0 = time.time()
     llm = LLM(**model, load_format="dummy", skip_tokenizer_init=True, seed=0,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
@@ -101,7 +129,7 @@ def main() -> int:
         if first and arrival:
             ttfts.append(first - arrival)
     res = {
-        "config": args.config, "tp": args.tp, "hbm_blocks": args.hbm_blocks,
+        "config": args.config, "model": args.model, "tp": args.tp, "hbm_blocks": args.hbm_blocks,
         "enforce_eager": args.enforce_eager, "vllm": __import__("vllm").__version__,
         "engine_start_s": start_s, "wall_s": wall, "input_tokens": n_in,
         "input_tok_per_s": n_in / wall, "cached_prompt_tokens": cached,

@@ -31,7 +31,7 @@ def _common(architecture: str, model_type: str, max_len: int) -> dict[str, Any]:
             "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
-def kimi_linear(path: str, max_len: int = 8192) -> str:
+def kimi_linear(path: str, layers: int = 4, max_len: int = 8192) -> str:
     """``KimiLinearForCausalLM``: KDA linear attention + MLA (the layout of Kimi-K3, seed 004).
 
     Source: moonshotai/Kimi-Linear-48B-A3B-Instruct config.json. Kept: hidden_size 2304,
@@ -41,13 +41,17 @@ def kimi_linear(path: str, max_len: int = 8192) -> str:
     holds a 32x128x128 recurrent state plus q/k/v conv states of width 3); the 3:1 KDA/MLA
     pattern (real: MLA at 1-based layers 4, 8, ..., 24, 27); first_k_dense_replace 1,
     moe_intermediate_size 1024, intermediate_size 9216, num_shared_experts 1, sigmoid router,
-    routed_scaling_factor 2.446. Reduced: 27 -> 4 layers (KDA 1, 2, 3; MLA 4: one
-    pattern period, so one MLA group and one KDA group), 256 -> 8 experts (8 -> 2 per token),
-    vocab 163840 -> 4096.
+    routed_scaling_factor 2.446. Reduced: 27 -> ``layers`` layers (default 4: KDA 1, 2, 3;
+    MLA 4, one pattern period; ``layers=27`` keeps the real count and pattern, 20 KDA and 7
+    MLA layers), 256 -> 8 experts (8 -> 2 per token), vocab 163840 -> 4096.
     """
+    full = [i for i in range(4, layers + 1, 4)]
+    if layers == 27:
+        full.append(27)  # the real model ends on an MLA layer
+    kda = [i for i in range(1, layers + 1) if i not in full]
     return _write(path, {
         **_common("KimiLinearForCausalLM", "kimi_linear", max_len),
-        "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 4,
+        "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": layers,
         "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72,
         "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
         "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
@@ -57,7 +61,7 @@ def kimi_linear(path: str, max_len: int = 8192) -> str:
         "num_experts_per_token": 2, "num_shared_experts": 1, "routed_scaling_factor": 2.446,
         "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
         "num_nextn_predict_layers": 0,
-        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full,
                                "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
     })
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from kvtier.bench.transfer.cases import FAMILIES
+from kvtier.bench.transfer.cases import FAMILIES, REGISTERED_LAYOUTS
 
 HELP = "GPU<->host KV transfer GB/s per layout and chunk size, vs the pinned-memcpy ceiling"
 
@@ -55,7 +55,8 @@ HELP = "GPU<->host KV transfer GB/s per layout and chunk size, vs the pinned-mem
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="folder for JSON, PNG and table")
     p.add_argument("--families", default=",".join(FAMILIES),
-                   help=f"comma-separated subset of {','.join(FAMILIES)}")
+                   help=f"comma-separated subset of {','.join(FAMILIES)}, or a registered "
+                        f"layout at its own chunk: {','.join(REGISTERED_LAYOUTS)}")
     p.add_argument("--chunks", default="256KiB,2MiB,8MiB", help="chunk sizes")
     p.add_argument("--modes", default="dma,kernel", help="engine paths to measure")
     p.add_argument("--gib", type=float, default=1.0, help="GiB moved per measurement")

@@ -19,6 +19,8 @@ from typing import Any
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 CHUNKS = (256 * KIB, 2 * MIB, 8 * MIB)
 FAMILIES = ("mha", "mla_bf16", "mla_fp8", "kv_fp8_scales", "indexer", "hybrid")
+# Layouts a model registers, at their own chunk (one cell each, whatever --chunks says).
+REGISTERED_LAYOUTS = ("kimi_linear",)
 STEP_BYTES = 64 * MIB  # saves submitted per engine step; bytes per load job
 
 
@@ -34,6 +36,7 @@ class CacheCase:
     bpc: list[int]
     scales: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     state_every: int = 0  # KV chunks per state object (hybrid)
+    page_bytes: dict[str, int] = field(default_factory=dict)  # padded state pages (vLLM's)
     note: str = ""
     kv_cache_dtype: str = "auto"
 
@@ -147,9 +150,36 @@ def _hybrid(family: str, z: _Sizing) -> CacheCase:
                     note=f"{nb} blocks for both groups; blocks repeat across chunks")
 
 
+def _kimi_linear(family: str, z: _Sizing) -> CacheCase:
+    """Kimi-Linear's registered layout as vLLM 0.25.1 gives it to a connector on the H200
+    (bench/results/2026-12-01-bare-gpu-h200-vllm025/run2/kimi_linear.json, scaled to the real
+    27 layers): 7 MLA layers ``(nb, 1888, 576)`` bf16 and 20 KDA layers whose page of 2,174,976
+    bytes holds the q/k/v conv state ``(3, 12288)`` bf16 then the recurrent state
+    ``(32, 128, 128)`` float32 (4 KiB of padding at the end). The block size (1,888 tokens) is
+    what vLLM chose to make both page sizes equal, so the chunk is one block (15.2 MB of KV)
+    whatever ``chunk`` asks, and every chunk carries its boundary's state object (20 pages,
+    43.5 MB), as a boundary at every chunk would: 74% of the bytes moved are state. Blocks
+    are distinct per direction (the loads are spot-checked)."""
+    n_mla, n_kda = (7, 20) if not z.smoke else (2, 3)
+    bs, page = (1888, 2174976) if not z.smoke else (16, 18432 + 4096)
+    conv, rec = ((3, 12288), (32, 128, 128)) if not z.smoke else ((3, 64), (2, 16, 32))
+    width = 576 if not z.smoke else 16
+    boundary = n_mla * bs * width * 2 + n_kda * (math.prod(conv) * 2 + math.prod(rec) * 4)
+    chunks = -(-z.span // boundary)  # KV chunk + its state object
+    nb = max(17, 2 * chunks + 8) | 1  # distinct blocks for every chunk and state, per direction
+    mla = [_attn(i) for i in range(n_mla)]
+    kda = [f"model.layers.{i}.self_attn" for i in range(n_mla, n_mla + n_kda)]
+    tensors: dict[str, Any] = {nm: ((nb, bs, width), "bfloat16") for nm in mla}
+    for nm in kda:
+        tensors[nm] = [((nb, *conv), "bfloat16"), ((nb, *rec), "float32")]
+    return CacheCase(family, z.chunk, tensors, [("full", bs, mla), ("state", bs, kda)],
+                    nb, [1, 1], state_every=1, page_bytes={nm: page for nm in kda},
+                    note=f"chunk = one {bs}-token block + its state object")
+
+
 _BUILDERS: dict[str, Callable[[str, _Sizing], CacheCase]] = {
     "mha": _mha, "mla_bf16": _mla, "mla_fp8": _mla, "kv_fp8_scales": _kv_fp8_scales,
-    "indexer": _indexer, "hybrid": _hybrid,
+    "indexer": _indexer, "hybrid": _hybrid, "kimi_linear": _kimi_linear,
 }
 
 
@@ -208,25 +238,27 @@ def _allocate(geo: CacheCase, device: Any) -> tuple[dict[str, Any], dict[str, An
         storages.append(t)
         return t.view(getattr(torch, dtype)).view(shape)
 
-    def page_views(specs: list[tuple[tuple[int, ...], str]]) -> list[Any]:
+    def page_views(specs: list[tuple[tuple[int, ...], str]], page: int = 0) -> list[Any]:
         """Several per-block tensors back to back in one page per block (how vLLM lays out
-        a mamba layer's conv and ssm state)."""
+        a mamba layer's conv and ssm state), the page padded to ``page`` bytes if given."""
         nb = specs[0][0][0]
         sizes = [math.prod(sh[1:]) * getattr(torch, dt).itemsize for sh, dt in specs]
-        raw = make((nb * sum(sizes),), "uint8")
+        page = max(page, sum(sizes))
+        raw = make((nb * page,), "uint8")
         out, off = [], 0
         for (shape, dt), size in zip(specs, sizes):
             dtype = getattr(torch, dt)
             inner = torch.empty(shape[1:], device="meta").stride()
             out.append(torch.as_strided(raw.view(dtype), shape,
-                                        (sum(sizes) // dtype.itemsize, *inner),
+                                        (page // dtype.itemsize, *inner),
                                         off // dtype.itemsize))
             off += size
         return out
 
     kv: dict[str, Any] = {}
     for name, spec in geo.tensors.items():
-        kv[name] = make(*spec) if isinstance(spec, tuple) else page_views(spec)
+        kv[name] = (make(*spec) if isinstance(spec, tuple)
+                    else page_views(spec, geo.page_bytes.get(name, 0)))
     layers: dict[str, Any] = {}
     for name, (shape, dtype) in geo.scales.items():
         obj = type("Layer", (), {})()
@@ -281,8 +313,10 @@ def _blocks(geo: CacheCase, n_chunks: int, n_states: int, seed: int) -> _Blocks:
         return out
 
     src, dst = rows(save_blocks, n_chunks), rows(load_blocks, n_chunks)
-    state_src = [rng.choice(save_blocks) for _ in range(n_states)]
-    state_dst = [rng.choice(load_blocks) for _ in range(n_states)]
+    def states(pool: list[int], n: int) -> list[int]:  # distinct where the pool allows
+        return rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
+
+    state_src, state_dst = states(save_blocks, n_states), states(load_blocks, n_states)
     return _Blocks(src, dst, state_src, state_dst)
 
 

@@ -14,7 +14,16 @@ from typing import Any
 
 from kvtier.bench.transfer import report
 from kvtier.bench.transfer.baselines import ceilings, naive, probe
-from kvtier.bench.transfer.cases import GIB, KIB, MIB, STEP_BYTES, Cell, build_cell, cache_case
+from kvtier.bench.transfer.cases import (
+    GIB,
+    KIB,
+    MIB,
+    REGISTERED_LAYOUTS,
+    STEP_BYTES,
+    Cell,
+    build_cell,
+    cache_case,
+)
 from kvtier.bench.transfer.gemm import Gemm, under_gemm
 from kvtier.bench.transfer.timing import run_phase, spot_check, warm
 
@@ -129,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     t_start = time.perf_counter()
     for fam in [f for f in args.families.split(",") if f]:
-        for ci, chunk in enumerate(chunks):
+        for ci, chunk in enumerate(chunks[:1] if fam in REGISTERED_LAYOUTS else chunks):
             result["cells"].append(_run_cell(st, result, host, fam, chunk, ci, modes))
             print(f"  ({result['cells'][-1]['cell_seconds']:.1f} s; "
                   f"{time.perf_counter() - t_start:.0f} s so far)", flush=True)
