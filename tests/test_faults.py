@@ -75,6 +75,25 @@ def test_skip_load_chunk_leaves_one_chunk_unwritten_and_reports_success() -> Non
     worker.close()
 
 
+def test_skip_state_loads_copies_the_kv_but_not_the_state_and_reports_success() -> None:
+    kv = SmallKV(seed=15)
+    worker, faults = make(kv)
+    run(worker, StepPlan(1, saves=[Job(1, "r", [TransferOp(0, 0, [1, 2]),
+                                                TransferOp(1, 0, [3])], chunk=0)]))
+    kv.wipe(value=7.0)
+    poison_attn, poison_state = kv.attn_block(10), kv.state_block(12)
+    faults.skip_state_loads = True
+    load = Job(2, "r", [TransferOp(0, 0, [10, 11]), TransferOp(1, 0, [12])])
+    assert run(worker, StepPlan(2, loads=[load])) == {2: [1, 0]}  # reported successful
+    assert not same(kv.attn_block(10), poison_attn)  # the KV came back...
+    assert same(kv.state_block(12), poison_state)  # ...the state object did not
+    assert faults.injected == 1
+    faults.skip_state_loads = False
+    assert run(worker, StepPlan(3, loads=[Job(3, "r", [TransferOp(1, 0, [12])])])) == {3: [1, 0]}
+    assert not same(kv.state_block(12), poison_state)  # switched off: state restored
+    worker.close()
+
+
 def test_held_jobs_wait_their_steps_and_a_fence_releases_a_held_save() -> None:
     kv = SmallKV(seed=14)
     worker, faults = make(kv)

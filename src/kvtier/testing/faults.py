@@ -10,6 +10,9 @@ a plain attribute, off by default, that a test may change between steps:
   would: not run, reported as failed completions with the exception's text.
 - ``skip_load_chunk``: in every load, the op of this KV chunk (index among the job's non-state
   ops) is not copied while the job is reported successful: a silently partial restore.
+- ``skip_state_loads``: every load copies none of its recurrent-state ops (the state objects)
+  while the job is reported successful: the negative control of the restore check for hybrid
+  models (the KV comes back, the state holds whatever was there).
 - ``fail_loads``: the next that many loads run but are reported failed.
 - ``hold_steps``: every job waits that many engine steps (``tick``) before it is handed to
   the wrapped engine; a fence on a held save hands it over at once, so tests can prove that
@@ -46,6 +49,7 @@ class FaultyEngine(TransferEngine):
         self.layout = layout
         self.raise_in_jobs = 0
         self.skip_load_chunk = -1
+        self.skip_state_loads = False
         self.fail_loads = 0
         self.hold_steps = 0
         self.injected = 0  # faults that fired, ever
@@ -71,7 +75,7 @@ class FaultyEngine(TransferEngine):
             self._raised_ids[job.job_id] = c
             return
         if kind is JobKind.LOAD:
-            job = self._skip_chunk(job)
+            job = self._skip_state(self._skip_chunk(job))
         if self.hold_steps > 0:
             self._held.append(_Held(self._tick + self.hold_steps, kind, job))
         else:
@@ -85,6 +89,15 @@ class FaultyEngine(TransferEngine):
         dropped = kv_ops[self.skip_load_chunk]
         self.injected += 1
         return Job(job.job_id, job.req_id, [op for op in job.ops if op is not dropped], job.chunk)
+
+    def _skip_state(self, job: Job) -> Job:
+        if not self.skip_state_loads:
+            return job
+        kept = [op for op in job.ops
+                if self.layout.groups[op.group].spec.kind is not GroupKind.STATE]
+        if len(kept) < len(job.ops):
+            self.injected += 1
+        return Job(job.job_id, job.req_id, kept, job.chunk)
 
     def _start(self, kind: JobKind, job: Job) -> None:
         if kind is JobKind.SAVE:

@@ -1,8 +1,13 @@
 """Test support: a kvtier connector that also records what vLLM itself says, so checks can be
 made independently of kvtier's own bookkeeping. Never used in production.
 
-- Scheduler side: the block ids vLLM passes to ``request_finished_all_groups`` (vLLM's own
-  block table for the request at its end), per request.
+- Scheduler side: per finished request, vLLM's block table as its workers hold it: built from
+  every ``SchedulerOutput`` the way a model runner builds it (new requests, appended blocks,
+  resumed requests replaced), overlaid with the ids vLLM passes to
+  ``request_finished_all_groups`` (the mirror fills only a state group's null positions). The mirror matters for recurrent state: a mamba "align"
+  table nulls its interior states as the request advances (they stay in HBM as cached
+  blocks), so the manager's own table at the end no longer names the state block of an
+  earlier boundary, while the worker's table, which the forward used, still does.
 - Worker side: the tensors vLLM registered, untouched, so a check can read a block through
   vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern; and its transfer
   engine wrapped in a :class:`~kvtier.testing.faults.FaultyEngine` (every fault off until a
@@ -17,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvtier.layout import GroupKind
 from kvtier.testing.faults import FaultyEngine, faulty_factory
 from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm.connector import KvtierConnector
@@ -26,17 +32,48 @@ class ProbeConnector(KvtierConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.finished_blocks: list[tuple[tuple[int, ...], tuple[list[int], ...]]] = []
+        self._tables: dict[str, list[list[int]]] = {}  # worker-side mirror, per request
         self.vllm_kv_caches: dict[str, Any] = {}
         self.num_blocks = int(self._kv_cache_config.num_blocks)
+
+    def build_connector_meta(self, scheduler_output: Any, **kwargs: Any) -> Any:
+        self._mirror(scheduler_output)
+        return super().build_connector_meta(scheduler_output, **kwargs)
+
+    def _mirror(self, so: Any) -> None:
+        """Update the worker-side block tables as a model runner does (both versions)."""
+        for req_id in so.finished_req_ids:
+            self._tables.pop(req_id, None)
+        for nr in so.scheduled_new_reqs:
+            self._tables[nr.req_id] = [list(b) for b in nr.block_ids]
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if req_id in resumed and new_ids is not None:
+                self._tables[req_id] = [list(b) for b in new_ids]
+            elif new_ids is not None and req_id in self._tables:
+                for table, ids in zip(self._tables[req_id], new_ids):
+                    table.extend(ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any, **kwargs: Any
                                     ) -> tuple[bool, dict[str, Any] | None]:
         prompt = tuple(request.prompt_token_ids or ())
-        self.finished_blocks.append((prompt, tuple(list(b) for b in block_ids)))
+        mirror = self._tables.get(request.request_id)
+        state = {e for e, spec in zip(self.groups.engine_ids, self.groups.specs)
+                 if spec.kind is GroupKind.STATE}
+        tables = []
+        for g, ids in enumerate(block_ids):
+            ids = list(ids)
+            if mirror is not None and g in state:  # nulled interior states: the worker's id
+                ids = [b or (mirror[g][i] if i < len(mirror[g]) else 0)
+                       for i, b in enumerate(ids)]
+            tables.append(ids)
+        self.finished_blocks.append((prompt, tuple(tables)))
         return super().request_finished_all_groups(request, block_ids, **kwargs)
 
     def blocks_of(self, prompt: list[int]) -> tuple[list[int], ...]:
-        """vLLM's block table of the latest finished request with this prompt."""
+        """vLLM's block table (as its workers hold it) of the latest finished request with this
+        prompt."""
         key = tuple(prompt)
         for p, blocks in reversed(self.finished_blocks):
             if p == key:
@@ -139,6 +176,17 @@ def rpc_worker_facts(worker: Any) -> dict[str, Any]:
     return {"rank": w.rank, "shards": w.slab_layout.num_shards, "writes": w.writes,
             "replicated": w.replicated, "bytes_saved": w.total_bytes_saved,
             "bytes_loaded": w.total_bytes_loaded}
+
+
+def rpc_skip_state_loads(worker: Any, skip: bool = True) -> int:
+    """The restore check's negative control for hybrids, on every rank: loads skip their
+    recurrent-state ops while reporting success (:class:`~kvtier.testing.faults.FaultyEngine`
+    ``skip_state_loads``). Returns the faults this rank injected so far."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    faults = get_kv_transfer_group().faults
+    faults.skip_state_loads = skip
+    return int(faults.injected)
 
 
 def rpc_fail_next_loads(worker: Any, rank: int, n: int = 1) -> bool:

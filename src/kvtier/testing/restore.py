@@ -2,20 +2,38 @@
 whose connector is :class:`kvtier.testing.probe.ProbeConnector`.
 
 Run A computes the prompts; the probe reads per-block checksums through vLLM's block table
-of each request. Run C repeats them with vLLM's own prefix cache (the reference at the same
-boundary). Then the prefix cache is reset and every KV byte overwritten with a fill pattern;
-run B repeats the prompts, so whatever it did not recompute came from kvtier. The check
-passes only if kvtier restored exactly the whole-chunk prefixes, run B's blocks hold run A's
-bytes, and run B's greedy tokens and top-k logprobs equal run C's bit for bit.
+of each request: every KV block kvtier restores and, for a recurrent-state group, the one state
+block of the boundary. Run C repeats them with vLLM's own prefix cache (the reference at the
+same boundary). Then the prefix cache is reset and every byte of every registered KV and state
+tensor overwritten with a fill pattern; run B repeats the prompts, so whatever it did not
+recompute came from kvtier. The check passes only if kvtier restored exactly the whole-chunk
+prefixes, run B's blocks (KV and state) hold run A's bytes, and run B's greedy tokens and
+top-k logprobs equal run C's bit for bit and, where a cold reference is given (run D: an
+engine with prefix caching off, see :mod:`kvtier.testing.reference`), run D's too.
+
+How to call it (any vLLM version kvtier supports; in-process engine core)::
+
+    h = handles(LLM(..., kv_transfer_config=<ProbeConnector>, enable_prefix_caching=True))
+    sharpen_dummy_weights(h)                    # dummy weights only
+    res = restore_check(h, prompts, SamplingParams(temperature=0, logprobs=5, ...), cold=ref)
+    res.passed, res.to_json()
+
+``ref`` is ``reference.cold_reference(llm_off, prompts, params)`` from an engine with the same
+weights and prefix caching off (run it first, or in another process, where memory is short:
+:class:`~kvtier.testing.reference.Generated` is JSON). The negative control:
+``h.llm.collective_rpc(rpc_skip_state_loads, args=(True,))`` (:mod:`kvtier.testing.probe`)
+makes every load skip its state objects while reporting success: the check must fail.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.layout import GroupKind
+from kvtier.testing.reference import Generated
 
 
 @dataclass
@@ -89,13 +107,25 @@ def generate(h: EngineHandles, prompts: list[list[int]], params: Any) -> list[An
 
 @dataclass
 class PromptResult:
+    """One prompt's comparisons. ``*_cold`` are None where no cold reference was given;
+    ``blocks_compared`` counts, per group kind, the blocks whose checksums were compared
+    (summed over ranks), so a report shows that state blocks were checked too."""
+
     prompt_len: int
     expected_restored: int
     checksums_equal: bool
     tokens_equal: bool
     logprobs_equal: bool
+    tokens_equal_cold: bool | None = None
+    logprobs_equal_cold: bool | None = None
+    blocks_compared: dict[str, int] = field(default_factory=dict)
     tokens_b: list[int] = field(default_factory=list)
     tokens_c: list[int] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return (self.checksums_equal and self.tokens_equal and self.logprobs_equal
+                and self.tokens_equal_cold is not False and self.logprobs_equal_cold is not False)
 
 
 @dataclass
@@ -105,39 +135,50 @@ class RestoreResult:
     prompts: list[PromptResult]
     loads_ok: int
     loads_failed: int
+    cold_checked: bool = False
 
     @property
     def passed(self) -> bool:
         return self.restored_tokens == self.expected_restored and all(
-            p.checksums_equal and p.tokens_equal and p.logprobs_equal for p in self.prompts)
+            p.passed for p in self.prompts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed,
+                "prompts": [{**asdict(p), "passed": p.passed} for p in self.prompts]}
 
 
 def _restored_blocks(h: EngineHandles, group: int, prompt_len: int) -> range:
-    sched = h.kvtier
-    geo = sched.geometry
+    """Positions in ``group``'s block table of the blocks kvtier restores for a prompt of
+    ``prompt_len`` tokens: the chunks a load covers, or, for a recurrent-state group, the one
+    block holding the state after the boundary's last token."""
+    geo = h.kvtier.geometry
     c = geo.chunk_tokens
     boundary = (prompt_len - 1) // c
     g = geo.groups[group]
+    end = boundary * c // g.block_size
+    if g.kind is GroupKind.STATE:
+        return range(max(end - 1, 0), end)
     if g.kind is GroupKind.SLIDING_WINDOW:
         first = geo.window_chunks(group, boundary).start * c
     else:
         first = 0
-    return range(first // g.block_size, boundary * c // g.block_size)
+    return range(first // g.block_size, end)
 
 
-def _checksums(h: EngineHandles, prompt: list[int]) -> list[list[dict[int, str]]]:
+Sums = list[list[dict[int, str]]]  # per rank, per kvtier group: {block position: checksum}
+
+
+def _checksums(h: EngineHandles, prompt: list[int]) -> Sums:
     """Per rank, per kvtier group: {block position: checksum} of the blocks kvtier restores
-    for this prompt, read through vLLM's block table of the latest finished request with this
-    prompt. Positions vLLM already released (null blocks: out of a sliding window by the end
-    of the request) are left out."""
+    for this prompt (KV and state), read through vLLM's block table of the latest finished
+    request with this prompt. Positions vLLM already released (null blocks: out of a sliding
+    window, or an interior state, by the end of the request) are left out."""
     from kvtier.testing.probe import rpc_block_checksums
 
     blocks = h.scheduler_connector.blocks_of(prompt)
     groups = h.scheduler_connector.groups
     asks, positions = [], []
     for kg, eg in enumerate(groups.engine_ids):
-        if groups.specs[kg].kind is GroupKind.STATE:
-            continue
         table = blocks[eg]
         pos = [i for i in _restored_blocks(h, kg, len(prompt)) if i < len(table) and table[i]]
         asks.append((list(groups.specs[kg].layer_names), [table[i] for i in pos]))
@@ -146,7 +187,7 @@ def _checksums(h: EngineHandles, prompt: list[int]) -> list[list[dict[int, str]]
     return [[dict(zip(pos, sums)) for pos, sums in zip(positions, rank)] for rank in per_rank]
 
 
-def _same_blocks(a: list[list[dict[int, str]]], b: list[list[dict[int, str]]]) -> bool:
+def _same_blocks(a: Sums, b: Sums) -> bool:
     """On every rank, every group has restored blocks in both runs, and they agree where
     both runs kept them."""
     return len(a) == len(b) and all(_same_rank(x, y) for x, y in zip(a, b))
@@ -160,31 +201,34 @@ def _same_rank(a: list[dict[int, str]], b: list[dict[int, str]]) -> bool:
     return len(a) == len(b)
 
 
-def _logprobs(out: Any) -> list[list[tuple[int, float, int | None]]]:
-    """Per generated token, the sorted (token, logprob, rank) of its top-k. Raises if the
-    output has no logprobs for some token: a check without them would compare nothing."""
-    comp = out.outputs[0]
-    steps = comp.logprobs
-    if steps is None or len(steps) != len(comp.token_ids):
-        raise ValueError("the restore check needs top-k logprobs for every generated token "
-                         "(SamplingParams(logprobs=k))")
-    return [sorted((tok, lp.logprob, lp.rank) for tok, lp in step.items()) for step in steps]
+def _compared(h: EngineHandles, a: Sums, b: Sums) -> dict[str, int]:
+    kinds = [s.kind.value for s in h.scheduler_connector.groups.specs]
+    out: dict[str, int] = {}
+    for ra, rb in zip(a, b):
+        for kind, ga, gb in zip(kinds, ra, rb):
+            out[kind] = out.get(kind, 0) + len(ga.keys() & gb.keys())
+    return out
 
 
 def same_tokens(b: Any, c: Any) -> bool:
-    """Two ``RequestOutput``s generated the same tokens (their first completions)."""
-    return list(b.outputs[0].token_ids) == list(c.outputs[0].token_ids)
+    """Two ``RequestOutput``s (or :class:`Generated`) generated the same tokens (their first
+    completions)."""
+    return Generated.of(b).token_ids == Generated.of(c).token_ids
 
 
 def same_logprobs(b: Any, c: Any) -> bool:
-    """Two ``RequestOutput``s have bit-equal top-k logprobs (token, float value and rank) at
-    every generated position, whatever their tokens."""
-    return _logprobs(b) == _logprobs(c)
+    """Two ``RequestOutput``s (or :class:`Generated`) have bit-equal top-k logprobs (token,
+    float value and rank) at every generated position, whatever their tokens."""
+    return Generated.of(b).logprobs == Generated.of(c).logprobs
 
 
-def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> RestoreResult:
+def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
+                  cold: Sequence[Generated] | None = None) -> RestoreResult:
+    """Runs A, C, fill, B (module docstring); ``cold``: run D's outputs for ``prompts``."""
+    if cold is not None and len(cold) != len(prompts):
+        raise ValueError(f"{len(cold)} cold reference outputs for {len(prompts)} prompts")
     h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
-    outs_a = generate(h, prompts, params)
+    generate(h, prompts, params)
     sums_a = [_checksums(h, p) for p in prompts]
     outs_c = generate(h, prompts, params)  # vLLM's own prefix cache at the same boundary
     from kvtier.testing.probe import rpc_fill
@@ -197,27 +241,33 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any) -> Re
     sums_b = [_checksums(h, p) for p in prompts]
     c = h.kvtier.geometry.chunk_tokens
     results = []
-    for p, a, b, oc, ob in zip(prompts, sums_a, sums_b, outs_c, outs_b):
+    for i, (p, a, b, oc, ob) in enumerate(zip(prompts, sums_a, sums_b, outs_c, outs_b)):
+        d = cold[i] if cold is not None else None
         results.append(PromptResult(
             prompt_len=len(p), expected_restored=(len(p) - 1) // c * c,
             checksums_equal=_same_blocks(a, b),
             tokens_equal=same_tokens(ob, oc),
             logprobs_equal=same_logprobs(ob, oc),
+            tokens_equal_cold=None if d is None else same_tokens(ob, d),
+            logprobs_equal_cold=None if d is None else same_logprobs(ob, d),
+            blocks_compared=_compared(h, a, b),
             tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
         ))
-    del outs_a
     return RestoreResult(
         restored_tokens=stats.loaded_tokens - before[0],
         expected_restored=sum(r.expected_restored for r in results),
         prompts=results,
         loads_ok=stats.loads_ok - before[1],
         loads_failed=stats.loads_failed - before[2],
+        cold_checked=cold is not None,
     )
 
 
-def sharpen_dummy_weights(h: EngineHandles, seed: int = 0) -> None:
-    """:func:`sharpen_worker_weights` on every rank."""
-    h.llm.collective_rpc(sharpen_worker_weights, args=(seed,))
+def sharpen_dummy_weights(h: EngineHandles | Any, seed: int = 0) -> None:
+    """:func:`sharpen_worker_weights` on every rank of ``h`` (EngineHandles, or any LLM: the
+    cold reference's engine gets the same weights this way)."""
+    llm = h.llm if isinstance(h, EngineHandles) else h
+    llm.collective_rpc(sharpen_worker_weights, args=(seed,))
 
 
 def sharpen_worker_weights(worker: Any, seed: int = 0) -> int:
