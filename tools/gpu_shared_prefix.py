@@ -37,6 +37,19 @@ MODELS: dict[str, dict] = {
 }
 
 
+def settings(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` pairs as kvtier settings; a value is JSON where it parses (true, 3,
+    "x"), else the string itself (64GiB)."""
+    out: dict = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=["hbm", "big", "kvtier", "native"], required=True)
@@ -56,6 +69,8 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama8b",
                     help="llama8b (default) or kimi-linear (27 layers, real hidden size)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--kvtier-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvtier setting for the kvtier runs (repeatable; JSON values)")
     args = ap.parse_args()
     spec = MODELS[args.model]
     if args.hbm_blocks is None:
@@ -73,7 +88,8 @@ def main() -> int:
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"dram_size": f"{args.dram_gib}GiB"})
+            kv_connector_extra_config={"dram_size": f"{args.dram_gib}GiB",
+                                       **settings(args.kvtier_config)})
     elif args.config == "native":
         extra["kv_offloading_size"] = float(args.dram_gib)
     if args.tiny:
@@ -129,7 +145,8 @@ def main() -> int:
         if first and arrival:
             ttfts.append(first - arrival)
     res = {
-        "config": args.config, "model": args.model, "tp": args.tp, "hbm_blocks": args.hbm_blocks,
+        "config": args.config, "model": args.model, "tp": args.tp,
+        "kvtier_config": settings(args.kvtier_config), "hbm_blocks": args.hbm_blocks,
         "enforce_eager": args.enforce_eager, "vllm": __import__("vllm").__version__,
         "engine_start_s": start_s, "wall_s": wall, "input_tokens": n_in,
         "input_tok_per_s": n_in / wall, "cached_prompt_tokens": cached,
