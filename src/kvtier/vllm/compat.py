@@ -17,7 +17,7 @@ try:  # vLLM 0.32: failures per request
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
     HAS_FAILED_RECVING = True
-except ImportError:  # vLLM 0.25.1: failures per block, one KV-cache group only
+except ImportError:  # vLLM 0.25.1: failures per block, which only one KV-cache group takes
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
     HAS_FAILED_RECVING = False
 
@@ -27,10 +27,19 @@ except ImportError:  # pragma: no cover
     generate_block_hash_extra_keys = None  # type: ignore[assignment]
 
 
-def loads_need_failed_recving(num_groups: int) -> bool:
-    """Whether loads must stay off for a model with ``num_groups`` kvtier groups: 0.25.1
-    reports load failures per block, which cannot be mapped with several groups."""
-    return num_groups > 1 and not HAS_FAILED_RECVING
+def load_failures_per_block(num_engine_groups: int) -> bool:
+    """Whether vLLM takes load failures per block (``invalid_block_ids``): 0.25.1 with one
+    KV-cache group. 0.32 takes them per request (``failed_recving``)."""
+    return not HAS_FAILED_RECVING and num_engine_groups == 1
+
+
+def promised_loads_must_not_fail(num_engine_groups: int) -> bool:
+    """Whether a load, once promised, has no report path: 0.25.1 with several KV-cache
+    groups, whose per-block report unpacks one group (``(req_block_ids,) = ...``,
+    ``v1/core/sched/scheduler.py:2546``) and kills the engine, whoever owns the block.
+    kvtier then re-issues failed copies and recovers or stops in ``update_connector_output``
+    (docs/notes/hybrid-loads-025.md)."""
+    return not HAS_FAILED_RECVING and num_engine_groups > 1
 
 
 def parked_requests_drained_first() -> bool:
@@ -105,10 +114,12 @@ def transfer_results(finished_recving: set[str], failed_recving: set[str]) -> An
                                       failed_recving=failed_recving)
 
 
-def failed_blocks_to_report(failed_blocks: set[int]) -> set[int]:
-    """``get_block_ids_with_load_errors``: 0.25.1 takes failures per block; 0.32 takes them
-    per request through ``failed_recving`` (then no block is reported here)."""
-    return set() if HAS_FAILED_RECVING else set(failed_blocks)
+def failed_blocks_to_report(failed_blocks: set[int], num_engine_groups: int) -> set[int]:
+    """``get_block_ids_with_load_errors``: the failed blocks where vLLM takes failures per
+    block (0.25.1, one group); none on 0.32 (``failed_recving`` carries them) and none on
+    0.25.1 with several groups (a report there kills the engine, see
+    :func:`promised_loads_must_not_fail`)."""
+    return set(failed_blocks) if load_failures_per_block(num_engine_groups) else set()
 
 
 def rank() -> int:

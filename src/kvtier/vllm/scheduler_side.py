@@ -26,6 +26,7 @@ from kvtier.scheduler import (
 )
 from kvtier.vllm import compat, startup
 from kvtier.vllm.counters import scheduler_counts
+from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
 from kvtier.vllm.groups import EngineGroups
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.setup import ConnectorSetup
@@ -150,10 +151,23 @@ class SchedulerSide:
         if self.scheduler is None and wm.geometries:
             self._start_scheduler(wm.geometries)
         if self.scheduler is not None:
+            if self.setup.loads_must_not_fail:
+                self._recover_failed_loads(wm)
             self.scheduler.on_report(wm.report)
             now = time.monotonic()
             self.scheduler.observe_step(now - self._last_output, self._prefill_tokens)
             self._last_output = now
+
+    def _recover_failed_loads(self, wm: KvtierWorkerMetadata) -> None:
+        """Promised loads that failed for good where vLLM has no report path for them:
+        recompute from the local hit, or stop (:mod:`kvtier.vllm.failed_loads`)."""
+        assert self.scheduler is not None and self.setup.groups is not None
+        for job_id, req_id, promised in completed_failures(self.scheduler, wm.report):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # finished (aborted while parked): vLLM frees its blocks
+            reason = wm.load_errors.get(job_id, "the copy failed on a rank")
+            recover_or_stop(request, promised, self.setup.groups, reason)
 
     def _start_scheduler(self, geometries: list[Geometry]) -> None:
         setup = self.setup

@@ -25,6 +25,9 @@ class ConnectorSetup:
     groups: EngineGroups | None  # None: kvtier cannot serve this model
     disabled_reason: str | None  # set: kvtier is off for this engine
     loads_enabled: bool  # False: saving only
+    # vLLM has no report path for a promised load (0.25.1, several KV-cache groups): failed
+    # copies are re-issued, then recovered or fatal (kvtier.vllm.failed_loads)
+    loads_must_not_fail: bool
     replicated: bool  # one slab copy for every rank (MLA under TP)
     kv_cache_dtype: str
     model_name: str
@@ -47,24 +50,21 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
         groups = engine_groups(kv_cache_config)
     except UnsupportedModel as e:
         disabled_reason = str(e)
-    loads_enabled = _loads_enabled(vllm_config, groups, is_scheduler)
+    loads_enabled = _loads_enabled(vllm_config, is_scheduler)
     if disabled_reason:
         logger.warning("kvtier is off for this engine: %s", disabled_reason)
     return ConnectorSetup(
         config=config, world_size=tp * pp, tp_size=tp, groups=groups,
         disabled_reason=disabled_reason, loads_enabled=loads_enabled,
+        loads_must_not_fail=groups is not None
+        and compat.promised_loads_must_not_fail(groups.num_engine_groups),
         replicated=bool(getattr(vllm_config.model_config, "use_mla", False)) and tp > 1,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         model_name=str(vllm_config.model_config.model),
     )
 
 
-def _loads_enabled(vllm_config: Any, groups: EngineGroups | None, is_scheduler: bool) -> bool:
-    if groups is not None and compat.loads_need_failed_recving(len(groups.engine_ids)):
-        logger.warning("kvtier: this vLLM reports load failures per block, which it cannot "
-                       "map with %d KV-cache groups: saving only, loads are off",
-                       len(groups.engine_ids))
-        return False
+def _loads_enabled(vllm_config: Any, is_scheduler: bool) -> bool:
     sched_policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
     if (is_scheduler and sched_policy == "priority"
             and not compat.parked_requests_drained_first()):

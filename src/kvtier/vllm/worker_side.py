@@ -18,6 +18,7 @@ import torch
 
 from kvtier.geometry import Geometry, resolve_chunk_tokens
 from kvtier.layout import build_layout
+from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
 from kvtier.protocol import StepPlan
 from kvtier.slab import Pinner
@@ -89,12 +90,15 @@ class WorkerSide:
         rank = compat.rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
+        factory = self._engine_factory(device_is_cuda)
+        if setup.loads_must_not_fail:  # no report path once promised: re-issue first
+            factory = retrying_factory(factory)
         with startup.failures():  # the slab: dram_size, host memory, /dev/shm, pinning
             shm = engine_shared_slab(self._vllm_config) if setup.world_size > 1 else None
             self.worker = OffloadWorker(
                 setup.config, layout, chunk, rank=rank, world_size=setup.world_size,
                 replicated=setup.replicated, shared=shm, pinner=_pinner(device_is_cuda),
-                engine_factory=self._engine_factory(device_is_cuda),
+                engine_factory=factory,
             )
         self._geometry = self.worker.geometry
         transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
@@ -154,13 +158,18 @@ class WorkerSide:
         return compat.transfer_results(set(res.finished_loads), set(res.failed_loads))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return compat.failed_blocks_to_report(self._result.failed_blocks)
+        groups = self.setup.groups
+        n = groups.num_engine_groups if groups is not None else 1
+        return compat.failed_blocks_to_report(self._result.failed_blocks, n)
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         if self.worker is None:
             return None
         geoms = [self._geometry] if (self._geometry and not self._geometry_acked) else []
-        meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms)
+        engine = self.worker.engine
+        errors = engine.take_errors() if isinstance(engine, RetryingLoads) else {}
+        meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms,
+                                    load_errors=errors)
         self._result = StepResult()
         return meta
 

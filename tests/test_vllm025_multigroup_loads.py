@@ -1,0 +1,102 @@
+"""kvtier's loads with several KV-cache groups on vLLM 0.25.1's real Scheduler, through
+kvtier's real connector halves (tests/vllm025_multigroup_loads.py, run in a subprocess with
+``PYTHONPATH=.cache/vllm-0.25.1``; the design: docs/notes/hybrid-loads-025.md).
+
+The oracle is a run without kvtier at the same boundary (``cold_96``: an HBM hit of the 96
+tokens kvtier restores; ``cold_32``: an HBM hit of the 32-token local hit): every step of
+request ``r`` starts at the same token, schedules as many, and holds the same per-group block
+table shape (which positions are vLLM's null block) over the positions the cold run holds;
+the engine ends with the same free blocks; and the fake model's reads (attention positions, the state a mamba runner starts
+from) found nothing wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.load_retry import LOAD_RETRIES
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
+SETS = ("full+full", "full+swa", "full+mamba", "full+mamba+mamba")
+NOT_FULL_ONLY = ("full+swa", "full+mamba", "full+mamba+mamba")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    if not (VLLM025 / "vllm" / "__init__.py").exists():
+        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([str(VLLM025), str(ROOT / "tests"), str(ROOT / "src")]))
+    proc = subprocess.run([sys.executable, "-m", "vllm025_multigroup_loads"],
+                          cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["version"] == "0.25.1"
+    return out
+
+
+def assert_like_cold(run: dict[str, Any], cold: dict[str, Any]) -> None:
+    assert "error" not in run, run.get("error")
+    assert cold["findings"] == [] and run["findings"] == [], run["findings"]
+    steps = [(rec["from"], rec["scheduled"]) for rec in run["records"]]
+    assert steps == [(rec["from"], rec["scheduled"]) for rec in cold["records"]]
+    for mine, theirs in zip(run["records"], cold["records"]):
+        for table, cold_table in zip(mine["tables"], theirs["tables"]):
+            # the cold run's positions alike; blocks held beyond them (allocated when the
+            # load was promised) are real blocks
+            assert table[:len(cold_table)] == cold_table, (mine, theirs)
+            assert "-" not in table[len(cold_table):], (mine, theirs)
+    assert (run["free_blocks"], run["requests_left"]) == (cold["free_blocks"],
+                                                           cold["requests_left"])
+
+
+@pytest.mark.vllm025
+@pytest.mark.parametrize("group_set", SETS)
+def test_a_copy_error_once_is_reissued_and_the_load_succeeds(
+        results: dict[str, Any], group_set: str) -> None:
+    r = results[group_set]
+    run = r["load_once"]
+    assert run["parked"] and run["promised"] == 96
+    assert run["stats"]["injected"] == 1 and run["stats"]["reissued"] == 1
+    assert run["stats"]["loads_failed"] == 0
+    assert run["invalid_block_reports"] == []
+    assert_like_cold(run, r["cold_96"])
+
+
+@pytest.mark.vllm025
+def test_a_load_failing_for_good_with_full_attention_only_recomputes_from_the_local_hit(
+        results: dict[str, Any]) -> None:
+    """Option (a): reported finished, ``num_computed_tokens`` back to the local hit (32) in
+    ``update_connector_output``; the request then runs as with an HBM hit of 32."""
+    r = results["full+full"]
+    run = r["load_always"]
+    assert run["parked"] and run["promised"] == 96
+    assert run["stats"]["reissued"] == LOAD_RETRIES and run["stats"]["loads_failed"] == 1
+    assert run["invalid_block_reports"] == []
+    assert_like_cold(run, r["cold_32"])
+
+
+@pytest.mark.vllm025
+@pytest.mark.parametrize("group_set", NOT_FULL_ONLY)
+def test_a_load_failing_for_good_with_a_window_or_state_group_stops_naming_the_request(
+        results: dict[str, Any], group_set: str) -> None:
+    """No recompute from 32 is sound there (null-padded tables): fail stop, one line naming
+    the request and the reason, never a per-block report (it kills 0.25.1's scheduler)."""
+    run = results[group_set]["load_always"]
+    assert run["parked"] and run["promised"] == 96
+    err = run["error"]
+    assert err["type"] == "LoadFailedAfterPromise", err
+    assert "request r " in err["message"] and "load reported failed" in err["message"]
+    assert "\n" not in err["message"]
+    assert run["stats"]["reissued"] == LOAD_RETRIES
+    assert run["invalid_block_reports"] == [] and run["findings"] == []
