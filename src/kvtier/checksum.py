@@ -77,12 +77,23 @@ def fmix64(x: int) -> int:
 def chunk_seed(key: bytes, group: int, shard: int) -> int:
     """The seed of one group's chunk in one shard: from the chunk's key (:mod:`kvtier.keys`,
     16 bytes), so that a slot holding another chunk's bytes, another group's or another rank's
-    shard fails verification."""
+    shard fails verification. ``shard_seed(key_seed(key), group, shard)``."""
+    return shard_seed(key_seed(key), group, shard)
+
+
+def key_seed(key: bytes) -> int:
+    """The 64-bit digest of a chunk's key that the scheduler puts in a
+    :class:`~kvtier.protocol.TransferOp` (the same for every group and rank)."""
     if len(key) < 8:
         raise ChecksumError(f"a chunk key has at least 8 bytes, got {len(key)}")
     lo = int.from_bytes(key[:8], "little")
     hi = int.from_bytes(key[8:16].ljust(8, b"\0"), "little")
-    return fmix64(fmix64(lo ^ fmix64(hi)) ^ fmix64((group << 32) ^ shard ^ POS_OFFSET))
+    return fmix64(lo ^ fmix64(hi))
+
+
+def shard_seed(digest: int, group: int, shard: int) -> int:
+    """What a worker of ``shard`` seeds ``group``'s chunk with, from its key's digest."""
+    return fmix64(digest ^ fmix64((group << 32) ^ shard ^ POS_OFFSET))
 
 
 def seal_of(seed: int, block: int) -> int:

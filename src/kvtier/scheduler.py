@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.geometry import NULL_BLOCK, Geometry
 from kvtier.index.base import Entry
@@ -263,7 +264,8 @@ class OffloadScheduler:
             self.index.touch(g, keys)
             entries += pinned
             for j, e in zip(chunks, pinned):
-                ops.append(TransferOp(g, e.slot, geo.blocks_to_load(g, st.block_ids[g], j, hbm)))
+                ops.append(TransferOp(g, e.slot, geo.blocks_to_load(g, st.block_ids[g], j, hbm),
+                                      key_seed(e.key)))
         job = Job(next(self._job_ids), req_id, ops)
         n_chunks = hit.boundary - first_chunk
         self.jobs[job.job_id] = _JobState(job, JobKind.LOAD, entries, [], n_chunks, hit.tokens)
@@ -362,6 +364,7 @@ class OffloadScheduler:
             return SaveDrop.ADMISSION
         entries: list[Entry] = []
         ops: list[TransferOp] = []
+        seed = key_seed(key)
         for g, ids in wanted:
             e = self.index.reserve(g, key, parent)
             if not isinstance(e, Entry):
@@ -369,7 +372,7 @@ class OffloadScheduler:
                     self.index.abort(done)
                 return e
             entries.append(e)
-            ops.append(TransferOp(g, e.slot, ids))
+            ops.append(TransferOp(g, e.slot, ids, seed))
         job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
         blocks = [(op.group, b) for op in ops for b in op.block_ids]
         self.jobs[job.job_id] = _JobState(job, JobKind.SAVE, entries, blocks, 1)
