@@ -116,6 +116,7 @@ class _JobState:
     failed: int = 0
     state: RequestState | None = None  # the lifecycle it belongs to (ids can be reused)
     step: int = 0  # the step whose plan carried it
+    corrupt: set[tuple[int, int]] = field(default_factory=set)  # (class, slot) that failed
 
 
 @dataclass
@@ -140,6 +141,8 @@ class SchedulerStats:
     max_job_steps: int = 0  # longest a job stayed in flight, in engine steps
     unsaveable_requests: int = 0
     resets: int = 0
+    checksum_failures: int = 0  # jobs whose slots did not verify, summed over ranks
+    corrupt_chunks: int = 0  # stored chunks dropped because their bytes did not verify
 
 
 class OffloadScheduler:
@@ -440,6 +443,11 @@ class OffloadScheduler:
         return plan
 
     def on_report(self, report: WorkerReport) -> None:
+        self.stats.checksum_failures += report.checksum_failures
+        for job_id, pairs in report.corrupt.items():
+            js = self.jobs.get(job_id)
+            if js is not None:
+                js.corrupt.update(pairs)
         for kind, table in ((JobKind.SAVE, report.saves), (JobKind.LOAD, report.loads)):
             for job_id, (ok, failed) in table.items():
                 js = self.jobs.get(job_id)
@@ -484,6 +492,7 @@ class OffloadScheduler:
             self._pending_load_chunks -= js.chunks
             self._pinned_chunks -= len(js.entries)
             self.index.unpin(js.entries)
+            self._drop_corrupt(js)
             if js.failed:
                 self.stats.loads_failed += 1
             else:
@@ -496,6 +505,17 @@ class OffloadScheduler:
         if (st is not None and st.finished and not st.save_jobs and st.load_job is None
                 and self.requests.get(st.req_id) is st):
             del self.requests[st.req_id]
+
+    def _drop_corrupt(self, js: _JobState) -> None:
+        """Forget the chunks of a finished job whose slots failed verification on any rank
+        (and, through the index, what is unreachable without them), so no later lookup hits
+        the same bad bytes; their slots return to the free list."""
+        if not js.corrupt:
+            return
+        for e in js.entries:
+            if (self.slot_class[e.group], e.slot) in js.corrupt and not e.doomed:
+                self.index.discard(e)
+                self.stats.corrupt_chunks += 1
 
     def request_finished(self, req_id: str) -> None:
         """The request finished or was aborted; its in-flight jobs still complete normally."""

@@ -139,6 +139,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("transfer_failures", COUNTER, WORKER,
            "Worker transfer jobs that failed (the load is recomputed, the save dropped).",
            series=_one("transfer_failures", _failures)),
+    Metric("checksum_failures", COUNTER, WORKER,
+           "Loads (and pre-promise verifications) whose stored bytes did not match their "
+           "checksum, per rank: the load failed and vLLM recomputed, the chunks were dropped.",
+           series=_one("checksum_failures", lambda r: r.checksum_failures)),
+    Metric("corrupt_chunks", COUNTER, SCHEDULER,
+           "Stored chunks dropped from the DRAM tier because their bytes failed verification "
+           "(their descendants leave with them).",
+           series=_one("corrupt_chunks", lambda s: s.stats.corrupt_chunks)),
     Metric("fences", COUNTER, SCHEDULER,
            "Saves fenced because their source blocks were reallocated or their request "
            "preempted.", series=_one("fences", lambda s: s.stats.fences)),
