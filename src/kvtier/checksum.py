@@ -289,3 +289,27 @@ def block_sums(buf: torch.Tensor, runs: Sequence[int] | None, blocks_per_chunk: 
 def checksum(buf: torch.Tensor, seed: int) -> int:
     """The 64-bit checksum of ``buf`` (uint8, a multiple of 8 bytes) under ``seed``."""
     return (seal_of(seed, 0) + block_sums(buf, None, 1)[0]) & MASK64
+
+
+# --- vectorized seeds and seals (the GPU engine's host side) -------------------------------
+
+def _fmix64_np(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = z ^ (z >> _U(33))
+        z = z * _U(FMIX1)
+        z = z ^ (z >> _U(33))
+        z = z * _U(FMIX2)
+        return z ^ (z >> _U(33))
+
+
+def shard_seeds_np(digests: np.ndarray, group: int, shard: int) -> np.ndarray:
+    """:func:`shard_seed` of every key digest (uint64) for one group and shard."""
+    mix = _U(fmix64((group << 32) ^ shard ^ POS_OFFSET))
+    return _fmix64_np(digests.astype(_U) ^ mix)
+
+
+def seals_np(seeds: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
+    """``(n, blocks_per_chunk)`` uint64: :func:`seal_of` of every seed and block position."""
+    steps = (np.arange(1, blocks_per_chunk + 1, dtype=_U) * _U(SEAL_STEP)).astype(_U)
+    with np.errstate(over="ignore"):
+        return _fmix64_np(seeds.astype(_U)[:, None] + steps[None, :])

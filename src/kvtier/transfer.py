@@ -140,12 +140,16 @@ class ChunkMover:
         bpc = self.blocks_per_chunk[op.group]
         codec.gather(group, op.block_ids, bpc, dst)
         if self.verify:
-            sums = self._sums(op.group, dst)
-            stored = checksum.seal(sums, self.seed(op))
-            table = self.slab.sums(self.slot_class[op.group], self.shard)
-            table[op.slot, : len(stored)] = torch.from_numpy(
-                np.array(stored, dtype=np.uint64).view(np.int64))
+            self.store_sums(op)
         return codec.chunk_bytes(group, bpc)
+
+    def store_sums(self, op: TransferOp) -> None:
+        """Checksum the op's slot as it is now and store the result in the slab's table."""
+        cls = self.slot_class[op.group]
+        stored = checksum.seal(self._sums(op.group, self.slab.view(cls, op.slot, self.shard)),
+                               self.seed(op))
+        self.slab.sums(cls, self.shard)[op.slot, : len(stored)] = torch.from_numpy(
+            np.array(stored, dtype=np.uint64).view(np.int64))
 
     def load_op(self, op: TransferOp) -> int:
         group = self.layout.groups[op.group]
@@ -203,6 +207,54 @@ def _checksum_runs(group: GroupLayout, bpc: int) -> list[int] | None:
     its slot, is one checksum)."""
     runs = [s.run for s in group.segments]
     return runs if all(r % 8 == 0 for r in runs) else None
+
+
+class SlotVerifier:
+    """Verify jobs (:data:`~kvtier.protocol.JobKind.VERIFY`) on a thread of their own, for an
+    engine whose copies do not run on the host: every slot of the job is checked against its
+    stored checksums (all block positions), nothing is written."""
+
+    def __init__(self, mover: ChunkMover) -> None:
+        self.mover = mover
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: dict[int, Future] = {}
+
+    def submit(self, job: Job) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
+        self._running[job.job_id] = self._pool.submit(self._run, job)
+
+    def _run(self, job: Job) -> Completion:
+        t0 = time.perf_counter()
+        try:
+            bad = self.mover.check(job.ops, skip=False)
+        except Exception as e:
+            return Completion(job.job_id, JobKind.VERIFY, False, 0, time.perf_counter() - t0,
+                              f"{type(e).__name__}: {e}")
+        if bad:
+            return Completion(job.job_id, JobKind.VERIFY, False, 0, time.perf_counter() - t0,
+                              str(ChecksumMismatch(bad)), bad)
+        return Completion(job.job_id, JobKind.VERIFY, True, 0, time.perf_counter() - t0)
+
+    def poll(self) -> list[Completion]:
+        out = []
+        for job_id, fut in list(self._running.items()):
+            if fut.done():
+                del self._running[job_id]
+                out.append(fut.result())
+        return out
+
+    def pending(self) -> int:
+        return len(self._running)
+
+    def drain(self) -> None:
+        for fut in list(self._running.values()):
+            fut.result()
+
+    def close(self) -> None:
+        self.drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class ThreadedTransferEngine(TransferEngine):
