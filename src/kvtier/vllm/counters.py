@@ -147,6 +147,12 @@ METRICS: tuple[Metric, ...] = (
            "Stored chunks dropped from the DRAM tier because their bytes failed verification "
            "(their descendants leave with them).",
            series=_one("corrupt_chunks", lambda s: s.stats.corrupt_chunks)),
+    Metric("prepares", COUNTER, SCHEDULER,
+           "Hits verified on the workers before they were promised (where a promised load "
+           "cannot fail: vLLM 0.25.1 with several KV-cache groups), and the lookups deferred "
+           "meanwhile.", label="what", series=(
+               Series("prepares", "jobs", lambda s: s.stats.prepares),
+               Series("prepare_deferrals", "deferrals", lambda s: s.stats.prepare_deferrals))),
     Metric("fences", COUNTER, SCHEDULER,
            "Saves fenced because their source blocks were reallocated or their request "
            "preempted.", series=_one("fences", lambda s: s.stats.fences)),
