@@ -25,12 +25,15 @@ STATS_KEYS = {
     "bytes_saved", "bytes_loaded", "save_seconds", "load_seconds", "save_jobs", "load_jobs",
     "transfer_failures", "fences", "fences_waited", "unsaveable_requests", "resets",
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
+    "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
+    "prepares", "prepare_deferrals",
 }
 METRIC_NAMES = {
     "lookups", "hits", "hit_tokens", "restored_tokens", "loads", "loads_declined", "saves",
     "saves_dropped", "evictions", "transfer_bytes", "transfer_seconds", "transfer_jobs",
     "transfer_gbps", "transfer_failures", "fences", "fences_waited", "unsaveable_requests",
     "resets", "slots_used", "slots_total", "occupancy", "chunk_tokens",
+    "checksum_failures", "corrupt_chunks", "prepares",  # added with verified restores
 }
 
 

@@ -53,8 +53,11 @@ class UnreliableNotices(TransferEngine):
 
 
 def make_worker(kv: SmallKV, engine: Callable[[ChunkMover], TransferEngine] | None = None,
-                **kw: object) -> OffloadWorker:
-    return OffloadWorker(CONFIG, kv.layout, CHUNK_TOKENS, engine_factory=engine,
+                verify: bool = True, **kw: object) -> OffloadWorker:
+    """``verify=False`` for tests of the job protocol that load slots never saved (those
+    fail verification, as they should)."""
+    config = CONFIG.model_copy(update={"verify_checksums": verify})
+    return OffloadWorker(config, kv.layout, CHUNK_TOKENS, engine_factory=engine,
                          **kw)  # type: ignore[arg-type]
 
 
@@ -103,7 +106,7 @@ def test_duplicated_notices_are_reported_once() -> None:
 
 def test_a_lost_notice_is_found_by_query_within_a_few_collects() -> None:
     kv = SmallKV(seed=4)
-    worker = make_worker(kv, lambda m: UnreliableNotices(m, lose=True))
+    worker = make_worker(kv, lambda m: UnreliableNotices(m, lose=True), verify=False)
     plan = StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)],
                     loads=[Job(2, "q", [TransferOp(0, 1, [7, 8])])])
     reports = [step(worker, plan)]
@@ -119,7 +122,7 @@ def test_a_lost_notice_is_found_by_query_within_a_few_collects() -> None:
 
 def test_a_failed_load_names_its_request_and_blocks() -> None:
     kv = SmallKV(seed=5)
-    worker = make_worker(kv)
+    worker = make_worker(kv, verify=False)
     bad = Job(1, "r", [TransferOp(0, 10**6, [4, 5]), TransferOp(1, 0, [6])])  # no such slot
     res = step(worker, StepPlan(1, loads=[bad, Job(2, "s", [TransferOp(0, 0, [9, 10])])]))
     assert res.report.loads == {1: [0, 1], 2: [1, 0]}

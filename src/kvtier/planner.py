@@ -44,6 +44,8 @@ class Decline(str, Enum):
     LOAD_BOUND = "too_many_loads_in_flight"
     LOADS_DISABLED = "loads_disabled"
     DEFERRED = "lookup_deferred"
+    PREPARE_TIMEOUT = "prepare_timed_out"
+    PREPARE_FAILED = "prepare_failed"
 
 
 @dataclass(frozen=True)

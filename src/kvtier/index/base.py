@@ -99,6 +99,13 @@ class Index(ABC):
     def unpin(self, entries: Sequence[Entry]) -> None: ...
 
     @abstractmethod
+    def discard(self, entry: Entry) -> None:
+        """Drop a READY entry whose stored bytes are bad (a checksum mismatch), with every
+        stored descendant and, for a chunk, its boundary's state set: none is usable without
+        it. Pinned entries become doomed (their slot is freed when their last pin ends); an
+        entry already gone is left alone."""
+
+    @abstractmethod
     def touch(self, group: int, keys: Sequence[bytes]) -> None:
         """A hit on a prefix: refresh it leaf-first so its root is the newest."""
 

@@ -118,6 +118,13 @@ class MemoryIndex(Index):
         entry.ready = True  # its write is over; what remains is to drop it and its subtree
         self._drop_subtree(entry)
 
+    def discard(self, entry: Entry) -> None:
+        if entry.doomed or self._entries[entry.group].get(entry.key) is not entry:
+            return
+        if not entry.ready:
+            raise ValueError(f"{entry} is being written; abort is for writes")
+        self._drop_subtree(entry)
+
     # -- pins and hits --------------------------------------------------------------------
     def pin(self, group: int, keys: Sequence[bytes]) -> list[Entry]:
         # check every key before taking any pin: a refusal leaves every pin as it was, and

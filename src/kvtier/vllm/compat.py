@@ -42,6 +42,13 @@ def promised_loads_must_not_fail(num_engine_groups: int) -> bool:
     return not HAS_FAILED_RECVING and num_engine_groups > 1
 
 
+def promises_are_final(num_groups: int) -> bool:
+    """Whether a load cannot fail once kvtier promised its tokens: 0.25.1 with several
+    KV-cache groups has no safe way to report it (docs/notes/hybrid-loads-025.md, option
+    (b)), so there hits are prepared (verified) before the promise (:mod:`kvtier.prepare`)."""
+    return num_groups > 1 and not HAS_FAILED_RECVING
+
+
 def parked_requests_drained_first() -> bool:
     """Whether vLLM's scheduler admits requests that hold KV blocks (parked loads) before the
     others. 0.32 keeps them in a queue of their own, drained first; 0.25.1's priority policy

@@ -139,6 +139,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("transfer_failures", COUNTER, WORKER,
            "Worker transfer jobs that failed (the load is recomputed, the save dropped).",
            series=_one("transfer_failures", _failures)),
+    Metric("checksum_failures", COUNTER, WORKER,
+           "Loads (and pre-promise verifications) whose stored bytes did not match their "
+           "checksum, per rank: the load failed and vLLM recomputed, the chunks were dropped.",
+           series=_one("checksum_failures", lambda r: r.checksum_failures)),
+    Metric("corrupt_chunks", COUNTER, SCHEDULER,
+           "Stored chunks dropped from the DRAM tier because their bytes failed verification "
+           "(their descendants leave with them).",
+           series=_one("corrupt_chunks", lambda s: s.stats.corrupt_chunks)),
+    Metric("prepares", COUNTER, SCHEDULER,
+           "Hits verified on the workers before they were promised (where a promised load "
+           "cannot fail: vLLM 0.25.1 with several KV-cache groups), and the lookups deferred "
+           "meanwhile.", label="what", series=(
+               Series("prepares", "jobs", lambda s: s.stats.prepares),
+               Series("prepare_deferrals", "deferrals", lambda s: s.stats.prepare_deferrals))),
     Metric("fences", COUNTER, SCHEDULER,
            "Saves fenced because their source blocks were reallocated or their request "
            "preempted.", series=_one("fences", lambda s: s.stats.fences)),

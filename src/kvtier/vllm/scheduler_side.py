@@ -85,7 +85,7 @@ class SchedulerSide:
         tokens = request.all_token_ids
         n = self.scheduler.lookup(request.request_id, tokens[: request.num_tokens],
                                   num_computed_tokens)
-        return n, n > 0
+        return n, bool(n)  # None: the hit is being prepared, ask again next step
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -187,7 +187,8 @@ class SchedulerSide:
         ).digest()
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
-                                          loads_enabled=setup.loads_enabled)
+                                          loads_enabled=setup.loads_enabled,
+                                          prepare_hits=prepares_hits(setup))
         for req in list(self.requests.values()):
             self._ensure_request(req)
         logger.info("kvtier: %d chunk slots per group of %d tokens, %s",
@@ -211,6 +212,14 @@ class SchedulerSide:
         if self.scheduler is not None:
             self.scheduler.reset()
         return True
+
+
+def prepares_hits(setup: ConnectorSetup) -> bool:
+    """Verify hits before promising them exactly where a promised load cannot fail
+    (:func:`kvtier.vllm.compat.promises_are_final`) and checksums are verified."""
+    groups = setup.groups
+    return (setup.config.verify_checksums and groups is not None
+            and compat.promises_are_final(len(groups.engine_ids)))
 
 
 def step_input(scheduler_output: Any, groups: EngineGroups) -> StepInput:
