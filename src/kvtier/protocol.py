@@ -113,6 +113,8 @@ class WorkerReport:
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     fences_waited: int = 0
+    # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
+    jobs: list[tuple[str, int, float]] = field(default_factory=list)
 
     def add(self, other: WorkerReport) -> WorkerReport:
         for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads),
@@ -130,6 +132,7 @@ class WorkerReport:
         self.save_seconds += other.save_seconds
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
+        self.jobs.extend(other.jobs)
         return self
 
     def empty(self) -> bool:

@@ -165,6 +165,8 @@ class OffloadWorker:
             if self.failures <= 20 or self.failures % 100 == 0:  # loud, but bounded
                 logger.warning("kvtier rank %d: %s job %d failed (%d so far): %s", self.rank,
                                c.kind, c.job_id, self.failures, c.error or "no reason given")
+        if c.ok:
+            rep.jobs.append((str(c.kind), c.nbytes, c.seconds))
         if c.kind == JobKind.SAVE:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes

@@ -21,6 +21,13 @@ except ImportError:  # vLLM 0.25.1: failures per block, which only one KV-cache 
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
     HAS_FAILED_RECVING = False
 
+try:  # vLLM 0.32: cached prompt tokens by tier (vllm:prompt_tokens_cached_by_source)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HOST_CACHE_HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # vLLM 0.25.1: no tiers in its stats
+    HOST_CACHE_HIT_SOURCE = None
+
 try:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 except ImportError:  # pragma: no cover

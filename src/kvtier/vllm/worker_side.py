@@ -25,11 +25,11 @@ from kvtier.slab import Pinner
 from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm import compat, startup
 from kvtier.vllm.block_axes import registered_block_axes
-from kvtier.vllm.counters import worker_counts
+from kvtier.vllm.counters import worker_counts, worker_observations
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.ranks import engine_shared_slab
 from kvtier.vllm.setup import ConnectorSetup
-from kvtier.vllm.stats import stats_payload
+from kvtier.vllm.stats import add_observations, stats_payload
 from kvtier.worker import OffloadWorker, StepResult
 
 logger = get_logger("vllm.connector")
@@ -70,6 +70,7 @@ class WorkerSide:
         self._fenced_step = -1
         self._begun_step = -1
         self._counts: dict[str, Any] = {}
+        self._observations: dict[str, list[float]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         setup = self.setup
@@ -144,6 +145,7 @@ class WorkerSide:
         for k, v in worker_counts(res.report).items():
             if v:
                 self._counts[k] = self._counts.get(k, 0) + v
+        add_observations(self._observations, worker_observations(res.report))
         # Reports accumulate until build_connector_worker_meta hands them over: a second
         # collection before that (any engine path that polls twice) must not drop the first.
         self._result = self._result.merge(res)
@@ -174,9 +176,11 @@ class WorkerSide:
         return meta
 
     def stats(self) -> dict[str, Any]:
-        """Counter increments since the last call (vLLM sums them over ranks)."""
+        """Counter increments and histogram observations since the last call (vLLM sums
+        and concatenates them over ranks)."""
         counts, self._counts = self._counts, {}
-        return stats_payload(counts, {})
+        observed, self._observations = self._observations, {}
+        return {**stats_payload(counts, {}), **observed}
 
     def shutdown(self) -> None:
         if self.worker is not None:
