@@ -150,8 +150,11 @@ class OffloadScheduler:
         slab_layout: SlabLayout,
         world_size: int = 1,
         loads_enabled: bool = True,
+        draft_lookahead: int = 0,
     ) -> None:
         self.config = config
+        # tokens after a chunk its bytes depend on: 1 with EAGLE/MTP drafts (kvtier.keys)
+        self.draft_lookahead = draft_lookahead
         self.geometry = geometry
         self.namespace = namespace
         self.world_size = world_size
@@ -200,7 +203,8 @@ class OffloadScheduler:
         if old is not None:  # the id is reused: the old lifecycle ends, its jobs finish on it
             old.finished = True
             old.pending_hit = None
-        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys)
+        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys,
+                           lookahead=self.draft_lookahead)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
         self.requests[req_id] = st
         return st
@@ -329,6 +333,7 @@ class OffloadScheduler:
         todo = chunks_to_save(
             self.geometry.chunk_tokens, st.keys.num_chunks, st.saved_chunks,
             computed_after_step, num_prompt, self.config.save_generated_tokens,
+            volatile_tail=self.draft_lookahead > 0,
         )
         jobs = []
         for j in todo:
