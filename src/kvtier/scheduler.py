@@ -164,6 +164,7 @@ class OffloadScheduler:
         loads_enabled: bool = True,
         prepare_hits: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        draft_lookahead: int = 0,
     ) -> None:
         """``prepare_hits``: verify a hit's chunks on the workers before promising it
         (:mod:`kvtier.prepare`; where a load cannot fail once promised). ``clock``: seconds,
@@ -171,6 +172,8 @@ class OffloadScheduler:
         self.config = config
         self.prepare_hits = prepare_hits
         self._clock = clock
+        # tokens after a chunk its bytes depend on: 1 with EAGLE/MTP drafts (kvtier.keys)
+        self.draft_lookahead = draft_lookahead
         self.geometry = geometry
         self.namespace = namespace
         self.world_size = world_size
@@ -221,7 +224,8 @@ class OffloadScheduler:
             old.finished = True
             old.pending_hit = None
             self._release_preparation(old)
-        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys)
+        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys,
+                           lookahead=self.draft_lookahead)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
         self.requests[req_id] = st
         return st
@@ -440,6 +444,7 @@ class OffloadScheduler:
         todo = chunks_to_save(
             self.geometry.chunk_tokens, st.keys.num_chunks, st.saved_chunks,
             computed_after_step, num_prompt, self.config.save_generated_tokens,
+            volatile_tail=self.draft_lookahead > 0,
         )
         jobs = []
         for j in todo:

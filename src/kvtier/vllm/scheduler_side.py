@@ -188,12 +188,15 @@ class SchedulerSide:
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
-                                          prepare_hits=prepares_hits(setup))
+                                          prepare_hits=prepares_hits(setup),
+                                          draft_lookahead=setup.draft_lookahead)
         for req in list(self.requests.values()):
             self._ensure_request(req)
-        logger.info("kvtier: %d chunk slots per group of %d tokens, %s",
+        logger.info("kvtier: %d chunk slots per group of %d tokens, %s%s",
                     slab_layout.classes[0].num_slots, geometry.chunk_tokens,
-                    [c.name for c in slab_layout.classes])
+                    [c.name for c in slab_layout.classes],
+                    "; EAGLE/MTP drafts: chunk keys cover the next token"
+                    if setup.draft_lookahead else "")
 
     def has_pending_push_work(self) -> bool:
         if self.setup.disabled_reason:

@@ -31,6 +31,7 @@ class ConnectorSetup:
     replicated: bool  # one slab copy for every rank (MLA under TP)
     kv_cache_dtype: str
     model_name: str
+    draft_lookahead: int = 0  # 1 with EAGLE/MTP drafts: a chunk's key covers the next token
 
 
 def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
@@ -61,7 +62,18 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
         replicated=bool(getattr(vllm_config.model_config, "use_mla", False)) and tp > 1,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         model_name=str(vllm_config.model_config.model),
+        draft_lookahead=draft_lookahead(vllm_config),
     )
+
+
+def draft_lookahead(vllm_config: Any) -> int:
+    """1 when EAGLE/MTP drafts run (``SpeculativeConfig.use_eagle()``, vLLM 0.25.1 and 0.32),
+    else 0. Their draft layers' KV at a chunk's last position is computed from the token
+    after the chunk, so kvtier keys each chunk with that token too (:mod:`kvtier.keys`);
+    vLLM's own prefix cache drops the last block of such a hit instead. Other methods
+    (n-gram, a separate draft model) write no KV that looks ahead."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 1 if spec is not None and spec.use_eagle() else 0
 
 
 def _loads_enabled(vllm_config: Any, is_scheduler: bool) -> bool:

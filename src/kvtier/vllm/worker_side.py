@@ -78,13 +78,14 @@ class WorkerSide:
             return
         layers = dict(getattr(self._vllm_config.compilation_config,
                               "static_forward_context", {}) or {})
-        # the block axis of each tensor as vLLM declares it (never guessed from sizes)
-        block_axes = registered_block_axes(kv_caches, self._kv_cache_config, layers,
-                                           setup.kv_cache_dtype)
-        layout = build_layout(
-            kv_caches, setup.groups.specs, int(self._kv_cache_config.num_blocks),
-            kv_cache_dtype=setup.kv_cache_dtype, layers=layers, block_axes=block_axes,
-        )
+        with startup.failures(todo=startup.LAYOUT_TODO):  # e.g. a scale it cannot map
+            # the block axis of each tensor as vLLM declares it (never guessed from sizes)
+            block_axes = registered_block_axes(kv_caches, self._kv_cache_config, layers,
+                                               setup.kv_cache_dtype)
+            layout = build_layout(
+                kv_caches, setup.groups.specs, int(self._kv_cache_config.num_blocks),
+                kv_cache_dtype=setup.kv_cache_dtype, layers=layers, block_axes=block_axes,
+            )
         with startup.failures():
             chunk = resolve_chunk_tokens(setup.config.chunk_tokens,
                                          [g.spec.block_size for g in layout.groups])
