@@ -109,8 +109,12 @@ def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | Non
         kv_connector="FaultKvtierConnector", kv_role="kv_both",
         kv_connector_module_path="vllm025_multigroup_loads",
         kv_load_failure_policy="recompute",
+        # verify_checksums off: these scenarios are failures *after* the promise (copy
+        # errors); verification before it (kvtier.prepare) defers the promise by a step and
+        # has its own tests (tests/test_prepare.py)
         kv_connector_extra_config={"dram_size": "4MiB", "chunk_tokens": BS,
-                                   "cost_model": False, **(extra or {})},
+                                   "cost_model": False, "verify_checksums": False,
+                                   **(extra or {})},
     ) if with_kvtier else None
     specs = group_specs(set_name)
     has_mamba = any(isinstance(s, MambaSpec) for _, s in specs)

@@ -45,6 +45,10 @@ class RetryingLoads(TransferEngine):
         self._loads[job.job_id] = (job, 0)
         self.inner.load(job)
 
+    def verify(self, job: Job) -> None:
+        """Checks are not copies: a verify job is never re-issued (a mismatch stays one)."""
+        self.inner.verify(job)
+
     def fence(self, job_ids: Sequence[int]) -> int:
         return self.inner.fence(job_ids)
 
@@ -55,13 +59,14 @@ class RetryingLoads(TransferEngine):
         return [c for c in self.inner.query(job_ids) if not self._reissued(c)]
 
     def _reissued(self, c: Completion) -> bool:
-        """Re-issue a failed load with attempts left (True: the completion is swallowed);
-        forget a load once its completion goes through."""
+        """Re-issue a failed load with attempts left (True: the completion is swallowed),
+        unless it failed on a checksum mismatch; forget a load once its completion goes
+        through."""
         entry = self._loads.get(c.job_id) if c.kind is JobKind.LOAD else None
         if entry is None:
             return False
         job, done = entry
-        if not c.ok and done < self.retries:
+        if not c.ok and not c.corrupt and done < self.retries:  # corrupt bytes stay corrupt
             self._loads[c.job_id] = (job, done + 1)
             self.reissued += 1
             logger.warning("kvtier: load job %d failed (%s); re-issued from the slab copy "
