@@ -39,6 +39,10 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # test-only wor
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# kvtier's chunk on the H200 with vLLM 0.25.1 (the block size vLLM chose to equalize page
+# sizes, bench/results/2026-12-01-bare-gpu-h200-vllm025/run2), so the cold reference can run
+# first; a run records the chunk it found, and --chunk overrides
+GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544}
 
 
 def prompts_for(chunk: int, vocab: int) -> dict[str, list[list[int]]]:
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(os.path.join(args.out, name + ".json"), res)
         return 0
     base = os.path.join(args.out, args.arch)
+    if not args.chunk and not args.cpu:
+        args.chunk = GPU_CHUNKS.get(args.arch, 0)
     # the chunk comes from kvtier's run; the cold reference needs the same prompts, so: a
     # kvtier run (the check without the cold comparison), then the cold run, then the
     # kvtier run again against it only if the first one did not know the chunk in advance
