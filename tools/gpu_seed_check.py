@@ -85,6 +85,14 @@ NEGATIVE_CONTROLS = {
 }
 
 
+def write_model(args: argparse.Namespace) -> str:
+    """The seed's model folder, its position limit at least the engine's max_model_len."""
+    from kvtier.testing.seed_models import SEED_MODELS
+
+    path = os.path.join(args.model_root, f"{args.arch}-{args.max_model_len}")
+    return SEED_MODELS[args.arch].write(path, max_len=args.max_model_len)
+
+
 def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One engine process: ``cold`` (the prompts from scratch, prefix caching off; writes the
     reference) or ``kvtier`` (the check against C and the cold reference, optionally under a
@@ -95,12 +103,12 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     from kvtier.testing.reference import Generated, cold_reference
     from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
-    from kvtier.testing.seed_models import SEED_MODELS, VOCAB
+    from kvtier.testing.seed_models import VOCAB
 
     sys.path.insert(0, HERE)
     from gpu_bare_run import apply_vllm_fixes
 
-    folder = SEED_MODELS[args.arch].write(os.path.join(args.model_root, args.arch))
+    folder = write_model(args)
     res: dict[str, Any] = {"arch": args.arch, "mode": mode, "negative": args.negative,
                            "vllm": __import__("vllm").__version__,
                            "vllm_fixes": [] if args.cpu else apply_vllm_fixes()}
@@ -118,7 +126,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     sharpen_dummy_weights(h)
     res["census"] = census(h)
     cold = {}
-    if args.cold:
+    if args.cold and wait_for(args.cold, args.timeout / 2):
         with open(args.cold) as f:
             ref = json.load(f)
         cold = {n: [Generated.from_json(g) for g in ref[n]] for n in ("long", "shared_batch")}
@@ -161,24 +169,45 @@ def census(h: Any) -> dict[str, Any]:
     return {"chunk_tokens": geo.chunk_tokens, "groups": groups}
 
 
-def child(args: argparse.Namespace, mode: str, negative: str | None, path: str) -> dict:
+def spawn(args: argparse.Namespace, mode: str, negative: str | None, path: str,
+          cold: str) -> tuple[subprocess.Popen, str, str]:
+    """Start one engine process writing ``path``; returns (process, path, log)."""
     argv = [sys.executable, os.path.abspath(__file__), "--arch", args.arch, "--child", mode,
             "--out", args.out, "--model-root", args.model_root, "--dram", args.dram,
             "--max-model-len", str(args.max_model_len), "--gpu-mem", str(args.gpu_mem),
-            "--chunk", str(args.chunk), "--cold", getattr(args, "cold", "") or ""]
+            "--chunk", str(args.chunk), "--cold", cold, "--timeout", str(args.timeout)]
     argv += ["--cpu"] * args.cpu + ["--eager"] * args.eager
     if negative:
         argv += ["--negative", negative]
     log = path[:-5] + ".log"
     with open(log, "w") as f:
-        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                            timeout=args.timeout).returncode
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    return proc, path, log
+
+
+def collect(proc: subprocess.Popen, path: str, log: str, timeout: float) -> dict:
+    """The child's result, or why there is none."""
+    try:
+        rc: int | str = proc.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
     if not os.path.exists(path):
         with open(log) as f:
             tail = f.read()[-3000:]
-        return {"mode": mode, "negative": negative, "rc": rc, "error": "no result", "log": tail}
+        return {"rc": rc, "error": "no result", "log": tail}
     with open(path) as f:
         return json.load(f)
+
+
+def wait_for(path: str, timeout_s: float) -> bool:
+    """The cold reference is written by a process started at the same time as this one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(1.0)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,12 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     base = os.path.join(args.out, args.arch)
     if not args.chunk and not args.cpu:
         args.chunk = GPU_CHUNKS.get(args.arch, 0)
-    # the chunk comes from kvtier's run; the cold reference needs the same prompts, so: a
-    # kvtier run (the check without the cold comparison), then the cold run, then the
-    # kvtier run again against it only if the first one did not know the chunk in advance
     summary: dict[str, Any] = {"arch": args.arch}
-    if not args.chunk:
-        first = child(args, "kvtier", None, base + "_kvtier.json")
+    if not args.chunk:  # a first kvtier run finds the chunk the prompts are built from
+        first = collect(*spawn(args, "kvtier", None, base + "_probe.json", ""), args.timeout)
         args.chunk = int(first.get("chunk_tokens") or 0)
         summary["chunk_probe"] = {k: first.get(k) for k in ("census", "error", "rc", "log")}
     if not args.chunk:
@@ -222,22 +248,29 @@ def main(argv: list[str] | None = None) -> int:
         summary["passed"] = False
         _write(base + ".json", summary)
         return 1
+    # every engine at once (the GPU holds them all); the kvtier runs wait for the cold file
+    t0 = time.monotonic()
     cold_path = base + "_cold.json"
-    summary["cold"] = {k: v for k, v in child(args, "cold", None, cold_path).items()
+    runs = {"cold": spawn(args, "cold", None, cold_path, ""),
+            "kvtier": spawn(args, "kvtier", None, base + "_kvtier.json", cold_path)}
+    for neg in args.negative:
+        runs[neg] = spawn(args, "kvtier", neg, base + f"_kvtier_neg_{neg}.json", cold_path)
+    res = {k: collect(*v, args.timeout - (time.monotonic() - t0)) for k, v in runs.items()}
+    summary["cold"] = {k: v for k, v in res["cold"].items()
                        if k in ("engine_start_s", "error", "rc", "log")}
     args.cold = cold_path if os.path.exists(cold_path) else ""
-    kv = child(args, "kvtier", None, base + "_kvtier.json")
+    kv = res["kvtier"]
     summary["kvtier"] = kv
     summary["negative"] = {}
     for neg in args.negative:
-        r = child(args, "kvtier", neg, base + f"_kvtier_neg_{neg}.json")
+        r = res[neg]
         failed = any(isinstance(r.get(n), dict) and r[n].get("passed") is False
                      for n in ("long", "shared_batch"))
         summary["negative"][neg] = {"check_failed": failed, "as_expected": failed,
                                     "long": r.get("long"), "error": r.get("error")}
     def verdict(key: str) -> bool:
-        return bool(args.cold) and all(isinstance(kv.get(n), dict) and kv[n].get(key)
-                                       for n in ("long", "shared_batch"))
+        return all(isinstance(kv.get(n), dict) and kv[n].get(key) and kv[n].get("cold_checked")
+                   for n in ("long", "shared_batch"))
 
     passed = verdict("passed")
     summary["passed"] = passed
@@ -251,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(path: str, payload: Any) -> None:
-    with open(path, "w") as f:
+    """Whole or not at all: another process may be waiting for the file."""
+    with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
