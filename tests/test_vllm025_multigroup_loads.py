@@ -100,3 +100,24 @@ def test_a_load_failing_for_good_with_a_window_or_state_group_stops_naming_the_r
     assert "\n" not in err["message"]
     assert run["stats"]["reissued"] == LOAD_RETRIES
     assert run["invalid_block_reports"] == [] and run["findings"] == []
+
+
+MAMBA_SETS = ("full+mamba", "full+mamba+mamba")
+
+
+@pytest.mark.vllm025
+@pytest.mark.parametrize("group_set", MAMBA_SETS)
+@pytest.mark.parametrize("case", ["hazard_no_hit_beyond", "hazard_hit_beyond"])
+def test_a_local_hit_past_the_state_groups_ends_like_a_cold_recompute(
+        results: dict[str, Any], group_set: str, case: str) -> None:
+    """docs/vllm-api.md §0 item 8: 0.25.1 tells kvtier the attention groups' hit, where no
+    state group holds a state. kvtier loads a state at its own boundary past it
+    (``hazard_hit_beyond``), or drops the attention groups' HBM entries past the state and
+    asks again (``hazard_no_hit_beyond``); either way the mamba runner never starts from a
+    null block or a wrong state (the fake model's reads), and ``r`` runs as after an HBM hit
+    of 96 tokens."""
+    run = results[group_set][case]
+    assert run["evicted"]["state"] > 0  # the hazard was set up
+    assert run["hits_forgotten"] == (2 if case == "hazard_no_hit_beyond" else 0)
+    assert run["stats"]["loads_ok"] == 1 and run["stats"]["hit_tokens"] == 32
+    assert_like_cold(run, results[group_set]["cold_96"])

@@ -25,9 +25,11 @@ Cases per group set (``full+full``, ``full+swa``, ``full+mamba``, ``full+mamba+m
   reset, ``c`` caches P's first 32 tokens, then ``r`` (P's first 96 tokens and 8 more) hits
   32 tokens locally and kvtier promises 64 more; its load's first copy raises (re-issued).
 - ``load_always``: the same, every attempt of the load fails.
-- ``hazard_state_evicted`` (mamba sets): ``a`` computes P, then the HBM states from 64 tokens
-  on are evicted (attention blocks stay): 0.25.1 tells kvtier a local hit of 96 for ``r``,
-  where no group of state has anything (docs/vllm-api.md §0 item 8).
+- ``hazard_no_hit_beyond`` (mamba sets): ``a`` computes P, then the HBM states from 64
+  tokens on are evicted (attention blocks stay): 0.25.1 tells kvtier a local hit of 96 for
+  ``r``, where no state group has a state and kvtier has nothing beyond (docs/vllm-api.md
+  §0 item 8); ``hazard_hit_beyond``: states from 48 and attention from 64 tokens on
+  evicted: a local hit of 64 without its state, and kvtier's hit goes on to 96.
 - ``cold_96`` / ``cold_32``: no connector; ``r`` after P (hit 96) / after ``c`` (hit 32).
 """
 
@@ -300,6 +302,43 @@ def load_case(set_name: str, fault: str) -> dict[str, Any]:
     return out
 
 
+def evict_from_hbm(s: Scheduler, kinds: tuple[type, ...], from_tokens: int) -> int:
+    """Drop from vLLM's prefix cache the blocks of P's prompt from ``from_tokens`` on, in the
+    groups whose spec is one of ``kinds`` (what eviction under pressure does: align mode
+    frees a hybrid's state blocks long before its attention blocks)."""
+    pool = s.kv_cache_manager.block_pool
+    hashes = make_request("probe", PROMPT, max_tokens=1).block_hashes
+    dropped = 0
+    for gid, (_, spec) in enumerate(s.fake.specs):  # type: ignore[attr-defined]
+        if not isinstance(spec, kinds):
+            continue
+        for j in range(from_tokens // BS, len(hashes)):
+            while cached := pool.get_cached_block(hashes[j], [gid]):
+                pool.evict_blocks({cached[0].block_id})
+                dropped += 1
+    return dropped
+
+
+def hazard_case(set_name: str, state_from: int, attention_from: int | None
+                ) -> dict[str, Any]:
+    """``a`` computed P (kvtier saved it with its states); the HBM states from
+    ``state_from`` tokens on are evicted, and the attention blocks from ``attention_from``
+    tokens on (None: none). ``r``'s local hit, as 0.25.1 tells kvtier, is the attention
+    groups' (96 or 64), where no state group holds a state."""
+    s = make_scheduler(set_name, with_kvtier=True)
+    add(s, "a", PROMPT)
+    run_until_done(s)
+    evicted = {"state": evict_from_hbm(s, (MambaSpec,), state_from)}
+    if attention_from is not None:
+        evicted["attention"] = evict_from_hbm(s, (FullAttentionSpec,), attention_from)
+    add(s, "r", R_PROMPT)
+    records = run_until_done(s)
+    side = s.connector.scheduler_side
+    return {"records": records, "findings": s.fake.findings,  # type: ignore[attr-defined]
+            "evicted": evicted, "hits_forgotten": getattr(side, "hits_forgotten", None),
+            "stats": kvtier_stats(s), **end_state(s)}
+
+
 SETS = ("full+full", "full+swa", "full+mamba", "full+mamba+mamba")
 
 
@@ -310,6 +349,9 @@ def main() -> None:
         results[name] = {"cold_96": cold(name, 96), "cold_32": cold(name, 32),
                          "load_once": load_case(name, "once"),
                          "load_always": load_case(name, "always")}
+        if "mamba" in name:
+            results[name]["hazard_no_hit_beyond"] = hazard_case(name, 64, None)
+            results[name]["hazard_hit_beyond"] = hazard_case(name, 48, 64)
     print(json.dumps(results))
 
 
