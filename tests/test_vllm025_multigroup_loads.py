@@ -121,3 +121,29 @@ def test_a_local_hit_past_the_state_groups_ends_like_a_cold_recompute(
     assert run["hits_forgotten"] == (2 if case == "hazard_no_hit_beyond" else 0)
     assert run["stats"]["loads_ok"] == 1 and run["stats"]["hit_tokens"] == 32
     assert_like_cold(run, results[group_set]["cold_96"])
+
+
+@pytest.mark.vllm025
+def test_recurrent_state_needs_states_kept_per_block_at_start_up(results: dict[str, Any]
+                                                                 ) -> None:
+    """0.25.1's 'align' and 'all' start; 'none' is refused in one line naming the flag."""
+    st = results["startup"]
+    assert st["mode_align"]["started"] and st["mode_all"]["started"]
+    refused = st["mode_none"]
+    assert not refused["started"] and refused["type"] == "StartupError"
+    assert refused["message"].startswith("kvtier: mamba_cache_mode='none'")
+    assert "--enable-prefix-caching" in refused["message"] and "\n" not in refused["message"]
+
+
+@pytest.mark.vllm025
+def test_the_chunk_is_a_multiple_of_every_group_block_size_the_state_groups_too(
+        results: dict[str, Any]) -> None:
+    """Attention blocks of 16 tokens and mamba blocks of 48 (as seed 004's 1,536-token
+    attention groups beside a 3,072-token KDA state group): unset, the chunk is the smallest
+    multiple of their LCM of at least 256 tokens; a multiple of 48 is taken; 16 is refused
+    naming 48."""
+    st = results["startup"]
+    assert st["chunk_unset_16_48"] == {"started": True, "chunk_tokens": 288}
+    assert st["chunk_96_with_48"] == {"started": True, "chunk_tokens": 96}
+    refused = st["chunk_16_with_48"]
+    assert refused["type"] == "StartupError" and "chunk_tokens=48" in refused["message"]

@@ -36,6 +36,7 @@ Cases per group set (``full+full``, ``full+swa``, ``full+mamba``, ``full+mamba+m
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -90,34 +91,36 @@ class FaultKvtierConnector(KvtierConnector):
 
 
 # -- engine shapes --------------------------------------------------------------------------
-def group_specs(name: str) -> list[tuple[str, Any]]:
+def group_specs(name: str, mamba_mode: str = "align", mamba_block: int = BS
+                ) -> list[tuple[str, Any]]:
     full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
     other = {
         "full": FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=4,
                                   dtype=torch.float32),
         "swa": SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8,
                                  dtype=torch.float32, sliding_window=WINDOW),
-        "mamba": MambaSpec(block_size=BS, shapes=(CONV, SSM),
-                           dtypes=(torch.float32, torch.float32), mamba_cache_mode="align"),
+        "mamba": MambaSpec(block_size=mamba_block, shapes=(CONV, SSM),
+                           dtypes=(torch.float32, torch.float32), mamba_cache_mode=mamba_mode),
     }
     kinds = name.split("+")
     return [(f"model.layers.{i}.{'mixer' if k == 'mamba' else 'self_attn.attn'}",
              full if i == 0 else other[k]) for i, k in enumerate(kinds)]
 
 
-def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | None = None
-                   ) -> Scheduler:
+def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | None = None,
+                   mamba_mode: str = "align", mamba_block: int = BS) -> Scheduler:
     kv = KVTransferConfig(
         kv_connector="FaultKvtierConnector", kv_role="kv_both",
         kv_connector_module_path="vllm025_multigroup_loads",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"dram_size": "4MiB", "chunk_tokens": BS,
-                                   "cost_model": False, **(extra or {})},
+        kv_connector_extra_config={k: v for k, v in {
+            "dram_size": "4MiB", "chunk_tokens": BS, "cost_model": False, **(extra or {}),
+        }.items() if v is not None},
     ) if with_kvtier else None
-    specs = group_specs(set_name)
+    specs = group_specs(set_name, mamba_mode, mamba_block)
     has_mamba = any(isinstance(s, MambaSpec) for _, s in specs)
-    cache = CacheConfig(block_size=BS, enable_prefix_caching=True,
-                        mamba_cache_mode="align" if has_mamba else "none")
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=mamba_mode != "none",
+                        mamba_cache_mode=mamba_mode if has_mamba else "none")
     cfg = VllmConfig(
         model_config=model_config(),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
@@ -128,7 +131,9 @@ def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | Non
     kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([layer], spec) for layer, spec in specs])
     s = Scheduler(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
-                  structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
+                  structured_output_manager=StructuredOutputManager(cfg),
+                  block_size=math.lcm(*(spec.block_size for _, spec in specs)),
+                  hash_block_size=BS)
     s.fake = FakeWorker(cfg, kvc, specs, with_kvtier)  # type: ignore[attr-defined]
     return s
 
@@ -339,12 +344,34 @@ def hazard_case(set_name: str, state_from: int, attention_from: int | None
             "stats": kvtier_stats(s), **end_state(s)}
 
 
+def startup_case(mamba_mode: str = "align", mamba_block: int = BS,
+                 chunk_tokens: int | None = BS) -> dict[str, Any]:
+    """Whether an engine with a full-attention group and a mamba group starts; its chunk."""
+    try:
+        s = make_scheduler("full+mamba", with_kvtier=True, mamba_mode=mamba_mode,
+                           mamba_block=mamba_block, extra={"chunk_tokens": chunk_tokens})
+    except Exception as e:
+        return {"started": False, "type": type(e).__name__, "message": str(e)}
+    worker = s.fake.connector.worker_side.worker  # type: ignore[attr-defined]
+    return {"started": True, "chunk_tokens": worker.geometry.chunk_tokens}
+
+
+STARTUP = {
+    "mode_align": {}, "mode_all": {"mamba_mode": "all"}, "mode_none": {"mamba_mode": "none"},
+    # the chunk: the LCM of every group's block size (state groups too), or a multiple of it
+    "chunk_unset_16_48": {"mamba_block": 48, "chunk_tokens": None},
+    "chunk_16_with_48": {"mamba_block": 48, "chunk_tokens": 16},
+    "chunk_96_with_48": {"mamba_block": 48, "chunk_tokens": 96},
+}
+
+
 SETS = ("full+full", "full+swa", "full+mamba", "full+mamba+mamba")
 
 
 def main() -> None:
     only = sys.argv[1:] or list(SETS)
     results: dict[str, Any] = {"version": vllm.__version__}
+    results["startup"] = {name: startup_case(**kw) for name, kw in STARTUP.items()}
     for name in only:
         results[name] = {"cold_96": cold(name, 96), "cold_32": cold(name, 32),
                          "load_once": load_case(name, "once"),
