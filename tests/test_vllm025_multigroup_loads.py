@@ -147,3 +147,15 @@ def test_the_chunk_is_a_multiple_of_every_group_block_size_the_state_groups_too(
     assert st["chunk_96_with_48"] == {"started": True, "chunk_tokens": 96}
     refused = st["chunk_16_with_48"]
     assert refused["type"] == "StartupError" and "chunk_tokens=48" in refused["message"]
+
+
+@pytest.mark.vllm025
+def test_a_load_failing_for_good_at_a_local_hit_of_0_stops_even_with_full_attention_only(
+        results: dict[str, Any]) -> None:
+    """At 0, vLLM's own failure path frees the request's blocks, which a connector cannot;
+    a later local hit then crashes 0.25.1 (tests/test_proto_multigroup_load_failure.py)."""
+    run = results["full+full"]["load_always_hit_0"]
+    assert run["parked"] and run["promised"] == 96
+    err = run["error"]
+    assert err["type"] == "LoadFailedAfterPromise" and "request r " in err["message"]
+    assert "local hit of 0" in err["message"] and run["invalid_block_reports"] == []

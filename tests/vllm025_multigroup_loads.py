@@ -24,7 +24,8 @@ Cases per group set (``full+full``, ``full+swa``, ``full+mamba``, ``full+mamba+m
 - ``load_once``: request ``a`` computes prompt P (kvtier saves it), the HBM prefix cache is
   reset, ``c`` caches P's first 32 tokens, then ``r`` (P's first 96 tokens and 8 more) hits
   32 tokens locally and kvtier promises 64 more; its load's first copy raises (re-issued).
-- ``load_always``: the same, every attempt of the load fails.
+- ``load_always``: the same, every attempt of the load fails; ``load_always_hit_0``
+  (full+full): without ``c``, a local hit of 0.
 - ``hazard_no_hit_beyond`` (mamba sets): ``a`` computes P, then the HBM states from 64
   tokens on are evicted (attention blocks stay): 0.25.1 tells kvtier a local hit of 96 for
   ``r``, where no state group has a state and kvtier has nothing beyond (docs/vllm-api.md
@@ -277,14 +278,16 @@ def cold(set_name: str, boundary: int) -> dict[str, Any]:
     return {"records": records, "findings": s.fake.findings, **end_state(s)}  # type: ignore
 
 
-def load_case(set_name: str, fault: str) -> dict[str, Any]:
-    """``a`` saved by kvtier, HBM reset, ``c`` cached 32 tokens, ``r`` hits 32 + 64."""
+def load_case(set_name: str, fault: str, local_hit: bool = True) -> dict[str, Any]:
+    """``a`` saved by kvtier, HBM reset, ``c`` cached 32 tokens, ``r`` hits 32 + 64 (without
+    ``local_hit``: no ``c``, ``r`` hits 0 + 96)."""
     s = make_scheduler(set_name, with_kvtier=True)
     add(s, "a", PROMPT)
     run_until_done(s)
     s.reset_prefix_cache()  # HBM only: kvtier keeps P
-    add(s, "c", C_PROMPT)
-    run_until_done(s)
+    if local_hit:
+        add(s, "c", C_PROMPT)
+        run_until_done(s)
     faulty = s.fake.connector.faulty  # type: ignore[attr-defined]
     if fault == "once":
         faulty.raise_in_jobs = 1  # the first job submitted next: r's load
@@ -376,6 +379,8 @@ def main() -> None:
         results[name] = {"cold_96": cold(name, 96), "cold_32": cold(name, 32),
                          "load_once": load_case(name, "once"),
                          "load_always": load_case(name, "always")}
+        if name == "full+full":  # (a) is refused at a local hit of 0 (the prototype's crash)
+            results[name]["load_always_hit_0"] = load_case(name, "always", local_hit=False)
         if "mamba" in name:
             results[name]["hazard_no_hit_beyond"] = hazard_case(name, 64, None)
             results[name]["hazard_hit_beyond"] = hazard_case(name, 48, 64)
