@@ -366,6 +366,8 @@ class OffloadScheduler:
         if prep is not None and prep.job == js.job.job_id:
             prep.job = None
         keep = []
+        # a failed job proves nothing about its other chunks (a rank may have failed for
+        # another reason): they are verified again by the next job
         for e in js.entries:
             if current and not js.failed and not e.doomed:
                 prep.prepared[(e.group, e.key)] = e  # type: ignore[union-attr]
