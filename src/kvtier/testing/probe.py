@@ -26,7 +26,7 @@ import torch
 from kvtier.layout import GroupKind
 from kvtier.testing.controls import MaskedLoads, masked_factory
 from kvtier.testing.faults import FaultyEngine, faulty_factory
-from kvtier.transfer import ChunkMover, TransferEngine
+from kvtier.transfer import ChunkMover, TransferEngine, find_engine
 from kvtier.vllm.connector import KvtierConnector
 
 
@@ -94,15 +94,16 @@ class ProbeConnector(KvtierConnector):
     def faults(self) -> FaultyEngine:
         """The fault switches of this worker's transfer engine."""
         worker = self.worker_side.worker
-        assert worker is not None and isinstance(worker.engine, FaultyEngine)
-        return worker.engine
+        faults = find_engine(worker.engine if worker is not None else None, FaultyEngine)
+        assert faults is not None, "no FaultyEngine in this worker's engine stack"
+        return faults
 
     @property
     def load_controls(self) -> MaskedLoads:
         """The byte-level negative controls of this worker's loads."""
-        inner = self.faults.inner
-        assert isinstance(inner, MaskedLoads)
-        return inner
+        controls = find_engine(self.faults, MaskedLoads)
+        assert controls is not None, "no MaskedLoads in this worker's engine stack"
+        return controls
 
     # -- worker-side checks, through vLLM's tensors only -----------------------------------
     def _tensors(self, value: Any) -> list[torch.Tensor]:
