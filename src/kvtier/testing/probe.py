@@ -4,10 +4,11 @@ made independently of kvtier's own bookkeeping. Never used in production.
 - Scheduler side: per finished request, vLLM's block table as its workers hold it: built from
   every ``SchedulerOutput`` the way a model runner builds it (new requests, appended blocks,
   resumed requests replaced), overlaid with the ids vLLM passes to
-  ``request_finished_all_groups`` (the mirror fills only a state group's null positions). The mirror matters for recurrent state: a mamba "align"
-  table nulls its interior states as the request advances (they stay in HBM as cached
-  blocks), so the manager's own table at the end no longer names the state block of an
-  earlier boundary, while the worker's table, which the forward used, still does.
+  ``request_finished_all_groups`` (the mirror fills only a state group's null positions).
+  The mirror matters for recurrent state: a mamba "align" table nulls its interior states as
+  the request advances (they stay in HBM as cached blocks), so the manager's own table at the
+  end no longer names the state block of an earlier boundary, while the worker's table, which
+  the forward used, still does.
 - Worker side: the tensors vLLM registered, untouched, so a check can read a block through
   vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern; and its transfer
   engine wrapped in a :class:`~kvtier.testing.faults.FaultyEngine` (every fault off until a
