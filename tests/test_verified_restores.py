@@ -34,7 +34,8 @@ def _blocks_hold_fill(kv: SmallKV, full: list[int], state: list[int]) -> bool:
 
 
 def test_a_flipped_byte_fails_the_load_before_anything_is_written(
-        caplog: pytest.LogCaptureFixture) -> None:
+        kvtier_caplog: pytest.LogCaptureFixture) -> None:
+    caplog = kvtier_caplog
     tier = Tier()
     tokens = prompt(1)
     tier.prefill("a", tokens)
@@ -70,7 +71,8 @@ def test_a_flipped_byte_fails_the_load_before_anything_is_written(
 
 
 def test_without_a_flip_the_same_restore_succeeds_and_nothing_is_counted(
-        caplog: pytest.LogCaptureFixture) -> None:
+        kvtier_caplog: pytest.LogCaptureFixture) -> None:
+    caplog = kvtier_caplog
     """The control of the test above: it fails only because of the flip."""
     tier = Tier()
     tokens = prompt(1)

@@ -38,7 +38,9 @@ CHUNK_BYTES = 2 * 2 * 2 * 64 * 4 * C  # layers x (K, V) x KV heads x head dim x 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: str, shutdown_after: list[Any]) -> Any:
-    llm = make_llm(tiny_llama_dir, extra={"dram_size": f"{SLOTS * CHUNK_BYTES}B"})
+    # room for SLOTS chunks and their checksum tables (8 bytes per block position), not for
+    # a ninth chunk
+    llm = make_llm(tiny_llama_dir, extra={"dram_size": f"{SLOTS * CHUNK_BYTES + 65536}B"})
     shutdown_after.append(llm)
     h = handles(llm)
     sharpen_dummy_weights(h)
