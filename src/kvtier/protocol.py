@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.tiers.seam import TierPlan, TierReport
+
 
 class _Named(str, Enum):
     """An enum whose members are their value wherever they are printed or compared."""
@@ -81,6 +83,7 @@ class StepPlan:
     saves: list[Job] = field(default_factory=list)
     fence: list[int] = field(default_factory=list)  # save jobs the next compute must wait for
     reset: bool = False
+    tier: TierPlan | None = None  # demotions, promotions and deletes of a lower tier
 
 
 @dataclass
@@ -94,6 +97,7 @@ class WorkerReport:
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     fences_waited: int = 0
+    tier: TierReport = field(default_factory=TierReport)
 
     def add(self, other: WorkerReport) -> WorkerReport:
         for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads)):
@@ -106,7 +110,8 @@ class WorkerReport:
         self.save_seconds += other.save_seconds
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
+        self.tier.add(other.tier)
         return self
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads)
+        return not (self.saves or self.loads or self.tier.jobs)

@@ -48,6 +48,7 @@ from kvtier.planner import (
 from kvtier.policy import make_admission, make_policy
 from kvtier.protocol import Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
+from kvtier.tiers.schedule import LowerTier, TierScheduler
 
 
 @dataclass
@@ -150,6 +151,7 @@ class OffloadScheduler:
         slab_layout: SlabLayout,
         world_size: int = 1,
         loads_enabled: bool = True,
+        lower: LowerTier | None = None,
     ) -> None:
         self.config = config
         self.geometry = geometry
@@ -191,6 +193,10 @@ class OffloadScheduler:
         self._pending_load_chunks = 0
         self._pinned_chunks = 0
         self.stats = SchedulerStats()
+        # a lower tier (the disk) below the slab: demotions, promotions (kvtier.tiers.schedule)
+        self.tier = None if lower is None else TierScheduler(
+            lower, self.index, self.allocator, self.slot_class, geometry, config,
+            self.estimates, world_size, self._job_ids)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -200,17 +206,27 @@ class OffloadScheduler:
         if old is not None:  # the id is reused: the old lifecycle ends, its jobs finish on it
             old.finished = True
             old.pending_hit = None
+        if self.tier is not None:
+            self.tier.forget_request(req_id)
         keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
         self.requests[req_id] = st
         return st
 
-    def lookup(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int:
+    def lookup(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int | None:
         """Tokens kvtier will load beyond ``hbm_tokens`` for a request whose known tokens
-        are ``tokens`` (0: compute them). The decision is final once the engine allocates."""
+        are ``tokens`` (0: compute them). The decision is final once the engine allocates.
+        None: ask again next step (chunks are being promoted from a lower tier into DRAM;
+        a hit is promised only for bytes already in DRAM)."""
         st = self.requests[req_id]
         self.stats.lookups += 1
+        if self.tier is not None and self.tier.deferring(req_id, self._step):
+            return None
         hit = self._decide(st, tokens, hbm_tokens)
+        if self.tier is not None and self.tier.promote(
+                req_id, st.keys.keys, len(tokens), hbm_tokens, hit, self._step):
+            st.pending_hit = None
+            return None
         if hit.ok:
             st.pending_hit = (hit, hbm_tokens)
             return hit.tokens
@@ -275,6 +291,8 @@ class OffloadScheduler:
         self.stats.loads_started += 1
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
+        if self.tier is not None:
+            self.tier.note_load(req_id, hit.tokens)
         return job
 
     def on_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]] | None,
@@ -429,7 +447,8 @@ class OffloadScheduler:
         for job in self._step_loads + self._step_saves:
             self.jobs[job.job_id].step = self._step
         plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
-                        self._reset_pending)
+                        self._reset_pending,
+                        self.tier.take_plan(len(self._step_saves)) if self.tier is not None else None)
         self._step_loads, self._step_saves = [], []
         self._step_allocated = [set() for _ in self.geometry.groups]
         self._step_preempted = set()
@@ -437,6 +456,8 @@ class OffloadScheduler:
         return plan
 
     def on_report(self, report: WorkerReport) -> None:
+        if self.tier is not None and (report.tier.jobs or report.tier.full):
+            self.tier.on_report(report.tier)
         for kind, table in ((JobKind.SAVE, report.saves), (JobKind.LOAD, report.loads)):
             for job_id, (ok, failed) in table.items():
                 js = self.jobs.get(job_id)
@@ -501,17 +522,22 @@ class OffloadScheduler:
             return
         st.finished = True
         st.pending_hit = None
+        if self.tier is not None:
+            self.tier.forget_request(req_id)
         if not st.save_jobs and st.load_job is None:
             del self.requests[req_id]
 
     def reset(self) -> None:
         """Drop every stored chunk; in-flight writes and loads end normally but store nothing."""
         self.index.reset()
+        if self.tier is not None:
+            self.tier.catalog.index.reset()  # the files go with the next plan's deletes
         self._reset_pending = True
         self.stats.resets += 1
 
     def has_pending_work(self) -> bool:
-        return bool(self.jobs or self._step_loads or self._step_saves)
+        return bool(self.jobs or self._step_loads or self._step_saves
+                    or (self.tier is not None and self.tier.has_pending_work()))
 
     def observe_step(self, seconds: float, prefill_tokens: int) -> None:
         self.estimates.observe_step(seconds)
@@ -534,5 +560,7 @@ class OffloadScheduler:
         assert self._pending_save_chunks == 0 and self._pending_load_chunks == 0
         assert self._pinned_chunks == 0 and self.index.stats().pinned == 0
         assert not self.requests, f"request state left: {sorted(self.requests)}"
+        if self.tier is not None:
+            self.tier.check_drained()
         self.index.check_invariants()
 

@@ -38,7 +38,8 @@ from kvtier.protocol import SaveDrop
 class Entry:
     """One stored chunk. Mutated only by its index."""
 
-    __slots__ = ("children", "doomed", "group", "key", "parent", "pins", "ready", "slot")
+    __slots__ = ("children", "doomed", "group", "key", "leaving", "parent", "pins", "ready",
+                 "slot")
 
     def __init__(self, group: int, key: bytes, slot: int, parent: Entry | None) -> None:
         self.group = group
@@ -49,6 +50,7 @@ class Entry:
         self.pins = 0
         self.ready = False
         self.doomed = False
+        self.leaving = False  # on its way to a lower tier (MemoryIndex.begin_leave)
 
     def __repr__(self) -> str:
         state = "doomed" if self.doomed else ("ready" if self.ready else "writing")
@@ -97,6 +99,13 @@ class Index(ABC):
 
     @abstractmethod
     def unpin(self, entries: Sequence[Entry]) -> None: ...
+
+    @abstractmethod
+    def discard(self, entry: Entry) -> None:
+        """Drop a READY entry whose stored bytes are bad (a checksum mismatch), with every
+        stored descendant and, for a chunk, its boundary's state set: none is usable without
+        it. Pinned entries become doomed (their slot is freed when their last pin ends); an
+        entry already gone is left alone."""
 
     @abstractmethod
     def touch(self, group: int, keys: Sequence[bytes]) -> None:

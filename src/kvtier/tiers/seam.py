@@ -30,21 +30,24 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
 from kvtier.log import get_logger
-from kvtier.protocol import _Named
 
 logger = get_logger("tiers")
 
 
-class TierJobKind(_Named):
+class TierJobKind(str, Enum):
     """What a tier job does: slab slots to the tier, the tier to slab slots, or forget chunks."""
 
     DEMOTE = "demote"
     PROMOTE = "promote"
     DELETE = "delete"
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 class ChunkCorrupt(Exception):
@@ -86,6 +89,62 @@ class TierCompletion:
     corrupt: list[int] = field(default_factory=list)  # op indexes whose bytes did not verify
     full: bool = False  # the tier declined a write for want of space
     error: str = ""
+
+
+@dataclass
+class TierReport:
+    """One step's tier completions, summed over ranks: [ok, failed] per job, the op indexes
+    that did not verify on some rank, and the bytes and seconds of each direction."""
+
+    jobs: dict[int, list[int]] = field(default_factory=dict)
+    corrupt: dict[int, list[int]] = field(default_factory=dict)
+    full: int = 0  # jobs a full tier declined
+    corrupt_reads: int = 0
+    bytes_promoted: int = 0
+    promote_seconds: float = 0.0
+    bytes_demoted: int = 0
+    demote_seconds: float = 0.0
+
+    def take(self, c: TierCompletion) -> None:
+        ok, failed = self.jobs.setdefault(c.job_id, [0, 0])
+        self.jobs[c.job_id] = [ok + c.ok, failed + (not c.ok)]
+        if c.corrupt:
+            known = self.corrupt.setdefault(c.job_id, [])
+            known.extend(i for i in c.corrupt if i not in known)
+            self.corrupt_reads += len(c.corrupt)
+        self.full += c.full
+        if c.kind is TierJobKind.PROMOTE:
+            self.bytes_promoted += c.nbytes
+            self.promote_seconds += c.seconds
+        else:
+            self.bytes_demoted += c.nbytes
+            self.demote_seconds += c.seconds
+
+    def add(self, other: TierReport) -> TierReport:
+        for job, (ok, failed) in other.jobs.items():
+            cur = self.jobs.setdefault(job, [0, 0])
+            cur[0] += ok
+            cur[1] += failed
+        for job, ops in other.corrupt.items():
+            known = self.corrupt.setdefault(job, [])
+            known.extend(i for i in ops if i not in known)
+        self.full += other.full
+        self.corrupt_reads += other.corrupt_reads
+        self.bytes_promoted += other.bytes_promoted
+        self.promote_seconds += other.promote_seconds
+        self.bytes_demoted += other.bytes_demoted
+        self.demote_seconds += other.demote_seconds
+        return self
+
+
+@dataclass
+class TierPlan:
+    """A step's tier jobs, and where the tier is: ``root`` (the namespace directory of the
+    disk tier) and ``namespace`` (what every stored chunk's header must name)."""
+
+    root: str
+    namespace: bytes
+    jobs: list[TierJob] = field(default_factory=list)
 
 
 class ChunkStore(ABC):
