@@ -358,8 +358,8 @@ def blocks_per_chunk(layout: Layout, scale: int = 2) -> tuple[int, list[int]]:
                    for g in layout.groups]
 
 
-def make_mover(layout: Layout, chunk_tokens: int, bpc: list[int], slots: int, pin: bool
-               ) -> ChunkMover:
+def make_mover(layout: Layout, chunk_tokens: int, bpc: list[int], slots: int, pin: bool,
+               verify: bool = False) -> ChunkMover:
     geom = Geometry.of_layout(layout, chunk_tokens)
     assert list(geom.blocks_per_chunk(g) for g in range(len(geom.groups))) == bpc
     kv = [geom.chunk_bytes(g) for g in geom.kv_groups]
@@ -367,9 +367,11 @@ def make_mover(layout: Layout, chunk_tokens: int, bpc: list[int], slots: int, pi
     stride = sum(-(-b // 4096) * 4096 for b in kv + state)
     slab_layout = lay_out_slab(stride * slots * 2, kv,
                                state_slot_bytes=max(state) if state else None,
-                               state_bytes=(stride * slots) if state else None)
+                               state_bytes=(stride * slots) if state else None,
+                               checksum_entries=[geom.blocks_per_chunk(g) for g in geom.kv_groups]
+                               + ([1] if state else []))
     slab = HostSlab(slab_layout, pinner=_cuda_pinner() if pin else None)
-    return ChunkMover(layout, geom, slab, 0)
+    return ChunkMover(layout, geom, slab, 0, verify=verify)
 
 
 def _cuda_pinner() -> Any:
@@ -397,17 +399,18 @@ def drain(engine: Any, expect: set[int]) -> dict[int, Completion]:
 
 
 def check_engine(fam: Family, make_engine: Callable[[ChunkMover], Any], *, seed: int = 0,
-                 n_chunks: int = 6, pin: bool = False) -> dict[str, int]:
+                 n_chunks: int = 6, pin: bool = False, verify: bool = False) -> dict[str, int]:
     """Save random scattered chunks of every group, compare the slots with the reference
     codec; poison everything; load the slots (some positions SKIP) into other random blocks
     and compare through vLLM's addressing; check every other byte still holds its poison.
-    Returns byte counts moved."""
+    ``verify``: with checksums, and every slot's table entry must be the reference checksum
+    of its bytes. Returns byte counts moved."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     lay = fam.layout
     chunk_tokens, bpc = blocks_per_chunk(lay)
     n_chunks = max(2, min(n_chunks, lay.groups[0].num_blocks // sum(bpc)))
-    mover = make_mover(lay, chunk_tokens, bpc, n_chunks, pin)
+    mover = make_mover(lay, chunk_tokens, bpc, n_chunks, pin, verify)
     engine = make_engine(mover)
     try:
         return _round_trip(fam, mover, engine, rng, gen, bpc, n_chunks)
@@ -428,7 +431,7 @@ def _round_trip(fam: Family, mover: ChunkMover, engine: Any, rng: random.Random,
         ids = rng.sample(range(nb), n_chunks * bpc[g])
         src[g] = [ids[i * bpc[g]:(i + 1) * bpc[g]] for i in range(n_chunks)]
     for c in range(n_chunks):
-        jobs.append(Job(100 + c, f"r{c}", [TransferOp(g, c, src[g][c])
+        jobs.append(Job(100 + c, f"r{c}", [TransferOp(g, c, src[g][c], seed=1000 + c)
                                            for g in range(len(lay.groups))], chunk=c))
     before = {(g, b): expected_block(fam.addressers[g], b)
               for g in range(len(lay.groups)) for ids in src[g] for b in ids}
@@ -446,6 +449,10 @@ def _round_trip(fam: Family, mover: ChunkMover, engine: Any, rng: random.Random,
             slot = mover.slab.view(mover.slot_class[g], c)[:cb]
             assert torch.equal(slot, want.cpu()), (
                 f"{fam.name}: group {g} chunk {c}: slot bytes differ from the reference codec")
+            if mover.verify:
+                op = TransferOp(g, c, src[g][c], seed=1000 + c)
+                assert mover.check([op], skip=False) == [], (
+                    f"{fam.name}: group {g} chunk {c}: the stored checksums are not the slot's")
             saved += cb
     # Loads into other blocks of a poisoned cache, some positions skipped.
     _fill(fam.storages, gen)
@@ -463,7 +470,7 @@ def _round_trip(fam: Family, mover: ChunkMover, engine: Any, rng: random.Random,
             if bpc[g] > 1 and c % 2 == 1:
                 row[rng.randrange(bpc[g])] = SKIP
         dst[g] = rows
-    loads = [Job(200 + c, f"r{c}", [TransferOp(g, c, list(dst[g][c]))
+    loads = [Job(200 + c, f"r{c}", [TransferOp(g, c, list(dst[g][c]), seed=1000 + c)
                                     for g in range(len(lay.groups))]) for c in range(n_chunks)]
     engine.tick()
     for j in loads[: n_chunks // 2]:

@@ -9,9 +9,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvtier.bench import scrape
 from kvtier.planner import Decline
-from kvtier.vllm.counters import METRICS
+from kvtier.protocol import WorkerReport
+from kvtier.vllm.counters import HISTOGRAMS, METRICS, worker_observations
 from kvtier.vllm.prom import KvtierPromMetrics
-from kvtier.vllm.stats import KvtierStats
+from kvtier.vllm.stats import MAX_OBSERVATIONS, KvtierStats, add_observations
+from kvtier.vllm.timings import SchedulerTimings
 
 LABELS = {"engine": "0", "model_name": "m"}
 
@@ -99,3 +101,89 @@ def test_connector_builds_its_prom_metrics() -> None:
     from kvtier.vllm.connector import KvtierConnector
 
     assert "build_prom_metrics" in KvtierConnector.__dict__
+
+
+def test_direction_store_is_also_exported_as_its_deprecated_alias_save(prom: Any) -> None:
+    m, reg = prom
+    s = _samples(reg)
+    for name in ("vllm:kvtier_transfer_bytes_total", "vllm:kvtier_transfer_seconds_total",
+                 "vllm:kvtier_transfer_jobs_total"):
+        for direction in ("store", "save", "load"):  # every series at 0 from start-up
+            assert _v(s, name, direction=direction) == 0, (name, direction)
+    m.observe({"bytes_saved": 300, "save_seconds": 0.5, "save_jobs": 2, "bytes_loaded": 40}, 0)
+    s = _samples(reg)
+    for direction in ("store", "save"):
+        assert _v(s, "vllm:kvtier_transfer_bytes_total", direction=direction) == 300
+        assert _v(s, "vllm:kvtier_transfer_jobs_total", direction=direction) == 2
+        assert _v(s, "vllm:kvtier_transfer_gbps", direction=direction) == pytest.approx(6e-7)
+    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load") == 40
+
+
+def test_histograms_exist_at_zero_and_observe_every_listed_value(prom: Any) -> None:
+    m, reg = prom
+    s = _samples(reg)
+    names = {k.partition("{")[0] for k in s}
+    for h in HISTOGRAMS:
+        assert f"{h.full_name}_count" in names and f"{h.full_name}_bucket" in names, h.name
+        for series in h.series:
+            assert _v(s, f"{h.full_name}_count", **h.labels(series)) == 0
+    stats = KvtierStats(data={"obs_load_seconds": [0.002], "obs_store_bytes": [300_000]})
+    stats.aggregate(KvtierStats(data={"obs_load_seconds": [0.2, 3.0], "obs_lookup_seconds":
+                                      [0.00002], "obs_not_in_the_table": [1.0]}))
+    m.observe(stats.to_dict(), 0)
+    s = _samples(reg)
+    load = {"direction": "load", "tier": "dram"}
+    assert _v(s, "vllm:kvtier_transfer_time_seconds_count", **load) == 3
+    assert _v(s, "vllm:kvtier_transfer_time_seconds_sum", **load) == pytest.approx(3.202)
+    assert _v(s, "vllm:kvtier_transfer_time_seconds_bucket", le="0.0025", **load) == 1
+    assert _v(s, "vllm:kvtier_transfer_time_seconds_bucket", le="0.25", **load) == 2
+    assert _v(s, "vllm:kvtier_transfer_time_seconds_count", direction="store", tier="dram") == 0
+    assert _v(s, "vllm:kvtier_transfer_size_bytes_bucket", le="262144.0", direction="store",
+              tier="dram") == 0
+    assert _v(s, "vllm:kvtier_transfer_size_bytes_bucket", le="1.048576e+06", direction="store",
+              tier="dram") == 1
+    assert _v(s, "vllm:kvtier_lookup_seconds_count") == 1
+    assert not any("not_in_the_table" in k for k in s)
+
+
+def test_stats_concatenate_observations_and_log_their_count_and_mean() -> None:
+    a = KvtierStats(data={"obs_store_seconds": [1.0], "lookups": 1})
+    a.aggregate(KvtierStats(data={"obs_store_seconds": [3.0], "lookups": 2}))
+    assert a.data == {"obs_store_seconds": [1.0, 3.0], "lookups": 3}
+    assert a.reduce() == {"obs_store_seconds_count": 2, "obs_store_seconds_mean": 2.0,
+                          "lookups": 3}
+    assert not KvtierStats(data={"obs_lookup_seconds": [0.1]}).is_empty()
+
+
+def test_observations_are_bounded_between_collections() -> None:
+    kept: dict[str, list[float]] = {}
+    for i in range(MAX_OBSERVATIONS + 10):
+        add_observations(kept, {"obs_lookup_seconds": [float(i)]})
+    assert len(kept["obs_lookup_seconds"]) == MAX_OBSERVATIONS
+    assert kept["obs_lookup_seconds"][-1] == MAX_OBSERVATIONS + 9  # the newest are kept
+
+
+def test_worker_observations_per_direction() -> None:
+    report = WorkerReport(jobs=[("save", 2_000_000, 0.001), ("load", 6_000_000, 0.002),
+                                ("save", 1_000_000, 0.0)])
+    obs = worker_observations(report)
+    assert obs["obs_store_bytes"] == [2_000_000, 1_000_000]
+    assert obs["obs_store_seconds"] == [0.001, 0.0]
+    assert obs["obs_store_gbps"] == [pytest.approx(2.0)]  # a job of 0 s has no rate
+    assert obs["obs_load_gbps"] == [pytest.approx(3.0)]
+    assert set(obs) <= {s.key for h in HISTOGRAMS for s in h.series}
+
+
+def test_scheduler_timings_observe_lookups_and_load_waits() -> None:
+    now = [10.0]
+    t = SchedulerTimings(clock=lambda: now[0])
+    t.lookup(0.001)
+    t.load_started("a")
+    t.load_started("b")
+    now[0] = 10.5
+    t.load_started("a")  # vLLM's second allocation for the same load keeps the first time
+    t.forget("b")  # finished before its load ended: never observed
+    now[0] = 12.0
+    t.loads_ended(["a", "b", "c"])
+    assert t.take() == {"obs_lookup_seconds": [0.001], "obs_load_wait_seconds": [2.0]}
+    assert t.take() == {}

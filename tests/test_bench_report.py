@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,7 @@ from kvtier.bench import scrape
 from kvtier.bench.client import RequestResult
 from kvtier.bench.metrics import percentile, summarize, ttft_ratio
 from kvtier.bench.plot import cdf_lines, plot
-from kvtier.bench.report import ratio_lines, table, write_json
+from kvtier.bench.report import ratio_lines, round_ratio_lines, table, write_json
 
 RESTORED = scrape.key(scrape.RESTORED, {"engine": "0", "model_name": "m"})
 
@@ -159,3 +160,24 @@ def test_scrape_parse_total_and_delta() -> None:
     assert not any("created" in k for k in s)
     after = dict(s, plain=1500.0)
     assert scrape.delta(after, s) == {"plain": 500.0}
+
+
+def test_rounds_give_each_ratio_its_median_and_range() -> None:
+    """--rounds: alternating pairs; the ratio lines over them name the median, the range and
+    every round, and a median worse than the baseline's is a LOSS."""
+    def pair(hbm_repeat: float, kvt_repeat: float, kvt_first: float) -> list[Any]:
+        base = summarize("HBM-only", [_req(0, 0, 0.5, 0), _req(1, 800, hbm_repeat, 0)], 1.0,
+                         {}, 256, False)
+        kvt = summarize("kvtier", [_req(0, 0, kvt_first, 0), _req(1, 800, kvt_repeat, 768)],
+                        1.0, {RESTORED: 768.0}, 256, True)
+        return [base, kvt]
+
+    rounds = [pair(0.8, 0.1, 0.5), pair(0.4, 0.1, 1.0), pair(0.9, 0.1, 1.0)]
+    lines = round_ratio_lines(rounds)
+    assert lines[0] == ("kvtier vs HBM-only over 3 rounds: median TTFT of repeated-prefix "
+                        "requests 8.0x lower (range 9.0x lower .. 4.0x lower; rounds 8.0x "
+                        "lower, 4.0x lower, 9.0x lower)")
+    first = next(x for x in lines if "median TTFT of first-seen" in x)
+    assert first.endswith("(range the same .. 2.0x higher; rounds the same, 2.0x higher, "
+                          "2.0x higher)  <- LOSS")
+    assert round_ratio_lines([rounds[0][:1]]) == []

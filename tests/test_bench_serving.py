@@ -185,3 +185,9 @@ def test_trace_timing_sends_each_request_at_its_timestamp() -> None:
     sent = [a - state.arrivals[0] for a in state.arrivals]
     for got, rec in zip(sent, read_trace(str(TRACE))):
         assert got == pytest.approx(rec.timestamp_ms / 1000, abs=0.08)
+
+
+def test_rounds_need_compare_and_a_positive_count(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--rounds", "3"], ["--rounds", "0", "--compare", "a=m --no-kvtier"]):
+        assert main(["bench", *argv]) == 2
+        assert "--rounds N wants N >= 1" in capsys.readouterr().err

@@ -274,3 +274,17 @@ def test_compiled_device_kernels_equal_cpu(name: str) -> None:
         whole = kernels.stage_sums(stage, 0, n, t.chunk_bytes)
         assert [int(x) & C.MASK64 for x in whole.tolist()] == [
             sum(want[c * b:(c + 1) * b]) & C.MASK64 for c in range(n)]
+
+
+def test_the_seed_of_an_op_is_the_chunk_seed_in_two_steps() -> None:
+    """The scheduler sends key_seed(key); each worker mixes in group and shard: the same
+    value as chunk_seed, and every group, shard and key gives another."""
+    keys = [bytes([k]) * 16 for k in range(4)]
+    seeds = set()
+    for key in keys:
+        for group in range(3):
+            for shard in range(2):
+                s = C.shard_seed(C.key_seed(key), group, shard)
+                assert s == C.chunk_seed(key, group, shard)
+                seeds.add(s)
+    assert len(seeds) == 4 * 3 * 2

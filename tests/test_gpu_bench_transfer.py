@@ -163,3 +163,20 @@ def test_the_kimi_linear_layout_is_what_vllm_registered_on_the_h200() -> None:
     assert geo.bpc == [1, 1] and geo.state_every == 1
     boundary = 7 * 2174976 + 20 * (3 * 12288 * 2 + 32 * 128 * 128 * 4)
     assert geo.num_blocks >= 2 * ((1 << 30) // boundary)  # distinct blocks per direction
+
+
+def test_smoke_run_with_verified_restores(tmp_path: Path) -> None:
+    """``--verify``: saves checksum what they write and loads verify it (the engine fails a
+    job on a mismatch, which the run reports as an error): a clean run has no errors."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
+                           "--verify", "--families", "mha,kimi_linear", "--chunks", "256KiB",
+                           "--out", str(tmp_path), "--tag", "v"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (js,) = tmp_path.glob("transfer-*-cpu-smoke-v.json")
+    result = json.loads(js.read_text())
+    assert result["meta"]["verify_checksums"] is True
+    assert [c["family"] for c in result["cells"]] == ["mha", "kimi_linear"]
+    assert all("errors" not in c and c["modes"] for c in result["cells"])

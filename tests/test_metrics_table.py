@@ -25,6 +25,8 @@ STATS_KEYS = {
     "bytes_saved", "bytes_loaded", "save_seconds", "load_seconds", "save_jobs", "load_jobs",
     "transfer_failures", "fences", "fences_waited", "unsaveable_requests", "resets",
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
+    "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
+    "prepares", "prepare_deferrals",
     # the disk tier's (issue 16)
     "disk_hits", "disk_hit_tokens", "disk_demotions", "disk_demotions_dropped",
     "disk_evicted_already_stored", "disk_demotion_jobs_failed", "disk_promotions",
@@ -38,6 +40,7 @@ METRIC_NAMES = {
     "saves_dropped", "evictions", "transfer_bytes", "transfer_seconds", "transfer_jobs",
     "transfer_gbps", "transfer_failures", "fences", "fences_waited", "unsaveable_requests",
     "resets", "slots_used", "slots_total", "occupancy", "chunk_tokens",
+    "checksum_failures", "corrupt_chunks", "prepares",  # added with verified restores
     "disk_hits", "disk_demotions", "disk_promotions", "disk_checksum_failures", "disk_full",
     "disk_deferrals", "disk_bytes", "disk_seconds", "disk_gbps", "disk_chunks_stored",
     "disk_chunks_total",

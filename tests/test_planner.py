@@ -208,8 +208,10 @@ def test_chunk_size_must_be_a_multiple_of_every_block_size() -> None:
 
 def test_every_decline_reason_is_covered() -> None:
     """The connector-level reasons (FAILED_BEFORE, LOAD_BOUND, LOADS_DISABLED, DEFERRED,
-    UNSAVEABLE) are exercised by the connector tests; this lists all of them."""
+    UNSAVEABLE) are exercised by the connector tests, the preparation's (PREPARE_TIMEOUT,
+    PREPARE_FAILED) by tests/test_prepare.py; this lists all of them."""
     assert {r.name for r in Decline} == {
         "TOO_SHORT", "UNSAVEABLE", "MISS", "NOT_BEYOND_HBM", "WINDOW_MISSING", "STATE_MISSING",
         "NOT_WORTH_IT", "FAILED_BEFORE", "LOAD_BOUND", "LOADS_DISABLED", "DEFERRED",
+        "PREPARE_TIMEOUT", "PREPARE_FAILED",
     }

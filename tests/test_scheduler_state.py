@@ -35,7 +35,8 @@ PROMPT = 4 * C + 1  # four whole chunks: the last prompt token is always compute
 def make_scheduler() -> OffloadScheduler:
     # 7 state slots (two whole sets of three and a spare) and 9 attention chunks: a request
     # of four boundaries fills the state class, three requests fill the attention class
-    config = KvtierConfig(dram_size="128KiB", state_size="56KiB", cost_model=False)
+    # (each class also holds its checksum table: one page here)
+    config = KvtierConfig(dram_size="136KiB", state_size="60KiB", cost_model=False)
     layout = make_slab_layout(config, GEOMETRY, 1)
     assert [c.num_slots for c in layout.classes] == [9, 7]
     return OffloadScheduler(config, GEOMETRY, NAMESPACE, layout)

@@ -87,11 +87,37 @@ def test_a_slab_larger_than_the_host_is_refused_with_numbers() -> None:
 
 def test_a_model_with_only_recurrent_state_uses_all_of_dram_size() -> None:
     (state,) = lay_out_slab(64 * MiB, [], state_slot_bytes=MiB).classes
-    assert state.num_slots == 64  # not a quarter: there is no KV to leave room for
+    # not a quarter: there is no KV to leave room for (64 slots less the one that makes
+    # room for the checksum table)
+    assert state.num_slots == 63
     (state,) = lay_out_slab(64 * MiB, [], state_slot_bytes=MiB, state_bytes=8 * MiB).classes
-    assert state.num_slots == 64
+    assert state.num_slots == 63
     _, state = lay_out_slab(64 * MiB, [MiB], state_slot_bytes=MiB).classes
-    assert state.num_slots == 16  # beside KV: a quarter by default
+    assert state.num_slots == 15  # beside KV: a quarter by default (16 less the table's room)
+
+
+def test_checksum_tables_are_inside_each_shard_and_apart_from_every_slot() -> None:
+    layout = lay_out_slab(40 * MiB, [3 * MiB, 5 * MiB], num_shards=2, state_slot_bytes=MiB,
+                          checksum_entries=[16, 4, 1])
+    assert layout.total_bytes <= 40 * MiB
+    regions = []
+    for c in layout.classes:
+        regions.append((c.offset, c.offset + c.bytes))
+        regions.append((c.sums_offset, c.sums_offset + c.sums_bytes))
+        assert c.sums_offset % 8 == 0 and c.sums_bytes == 8 * c.sums_entries * c.num_slots
+    regions.sort()
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(regions)), regions
+    assert regions[-1][1] <= layout.shard_bytes
+    slab = HostSlab(layout)
+    for cls, c in enumerate(layout.classes):
+        for shard in range(2):
+            t = slab.sums(cls, shard)
+            assert t.shape == (c.num_slots, c.sums_entries) and t.dtype == torch.int64
+            t.fill_(cls * 10 + shard + 1)
+        for shard in range(2):  # no table overlaps another's
+            assert int(slab.sums(cls, shard).min()) == int(slab.sums(cls, shard).max()) \
+                == cls * 10 + shard + 1
+    slab.close()
 
 
 def test_pinning_without_cuda_is_an_error_not_a_silent_no_op() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
-from kvtier.protocol import Job, StepPlan, TransferOp
+from kvtier.protocol import Job, StepPlan, TransferOp, WorkerReport
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 from kvtier.worker import REQUERY_STEPS, OffloadWorker, StepResult
 
@@ -53,8 +53,11 @@ class UnreliableNotices(TransferEngine):
 
 
 def make_worker(kv: SmallKV, engine: Callable[[ChunkMover], TransferEngine] | None = None,
-                **kw: object) -> OffloadWorker:
-    return OffloadWorker(CONFIG, kv.layout, CHUNK_TOKENS, engine_factory=engine,
+                verify: bool = True, **kw: object) -> OffloadWorker:
+    """``verify=False`` for tests of the job protocol that load slots never saved (those
+    fail verification, as they should)."""
+    config = CONFIG.model_copy(update={"verify_checksums": verify})
+    return OffloadWorker(config, kv.layout, CHUNK_TOKENS, engine_factory=engine,
                          **kw)  # type: ignore[arg-type]
 
 
@@ -103,7 +106,7 @@ def test_duplicated_notices_are_reported_once() -> None:
 
 def test_a_lost_notice_is_found_by_query_within_a_few_collects() -> None:
     kv = SmallKV(seed=4)
-    worker = make_worker(kv, lambda m: UnreliableNotices(m, lose=True))
+    worker = make_worker(kv, lambda m: UnreliableNotices(m, lose=True), verify=False)
     plan = StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)],
                     loads=[Job(2, "q", [TransferOp(0, 1, [7, 8])])])
     reports = [step(worker, plan)]
@@ -119,7 +122,7 @@ def test_a_lost_notice_is_found_by_query_within_a_few_collects() -> None:
 
 def test_a_failed_load_names_its_request_and_blocks() -> None:
     kv = SmallKV(seed=5)
-    worker = make_worker(kv)
+    worker = make_worker(kv, verify=False)
     bad = Job(1, "r", [TransferOp(0, 10**6, [4, 5]), TransferOp(1, 0, [6])])  # no such slot
     res = step(worker, StepPlan(1, loads=[bad, Job(2, "s", [TransferOp(0, 0, [9, 10])])]))
     assert res.report.loads == {1: [0, 1], 2: [1, 0]}
@@ -149,3 +152,23 @@ def test_reports_of_several_ranks_sum() -> None:
     assert total.bytes_saved == sum(r.report.bytes_saved for r in results) > 0
     for w in ranks:
         w.close()
+
+
+def test_each_job_that_finished_ok_is_reported_with_its_bytes_and_seconds() -> None:
+    """The histograms' observations (kvtier.vllm.counters.worker_observations): one entry per
+    job, with the bytes and seconds of that job alone; a failed job adds none."""
+    kv = SmallKV(seed=7)
+    worker = make_worker(kv)
+    res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3), save_job(2, 1, [4, 5], 6)]))
+    saves = res.report.jobs
+    assert [k for k, _, _ in saves] == ["save", "save"]
+    assert sum(b for _, b, _ in saves) == res.report.bytes_saved and saves[0][1] == saves[1][1]
+    assert all(s > 0 for _, _, s in saves)
+    assert sum(s for _, _, s in saves) == res.report.save_seconds
+    res = step(worker, StepPlan(2, loads=[Job(3, "r", [TransferOp(0, 0, [7, 8])]),
+                                          Job(4, "q", [TransferOp(0, 9999, [9])])]))
+    assert res.report.loads == {3: [1, 0], 4: [0, 1]}
+    assert [(k, b) for k, b, _ in res.report.jobs] == [("load", res.report.bytes_loaded)]
+    both = WorkerReport(jobs=[("save", 1, 0.5)]).add(res.report)
+    assert [k for k, _, _ in both.jobs] == ["save", "load"]  # summed over ranks: all kept
+    worker.close()

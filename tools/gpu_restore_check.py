@@ -44,8 +44,11 @@ def main() -> int:
     ap.add_argument("--out", default="restore.json")
     ap.add_argument("--model-dir", default="/tmp/llama8b-shape")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (CPU dry run)")
+    ap.add_argument("--kvtier-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvtier setting for the kvtier runs (repeatable; JSON values)")
     args = ap.parse_args()
 
+    from gpu_shared_prefix import settings
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -72,7 +75,8 @@ def main() -> int:
         kv_transfer_config=KVTransferConfig(
             kv_connector="ProbeConnector", kv_connector_module_path="kvtier.testing.probe",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"dram_size": "512MiB" if args.tiny else "24GiB"}),
+            kv_connector_extra_config={"dram_size": "512MiB" if args.tiny else "24GiB",
+                                       **settings(args.kvtier_config)}),
     )
     start_s = time.time() - t0
     h = handles(llm)

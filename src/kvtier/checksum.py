@@ -77,12 +77,23 @@ def fmix64(x: int) -> int:
 def chunk_seed(key: bytes, group: int, shard: int) -> int:
     """The seed of one group's chunk in one shard: from the chunk's key (:mod:`kvtier.keys`,
     16 bytes), so that a slot holding another chunk's bytes, another group's or another rank's
-    shard fails verification."""
+    shard fails verification. ``shard_seed(key_seed(key), group, shard)``."""
+    return shard_seed(key_seed(key), group, shard)
+
+
+def key_seed(key: bytes) -> int:
+    """The 64-bit digest of a chunk's key that the scheduler puts in a
+    :class:`~kvtier.protocol.TransferOp` (the same for every group and rank)."""
     if len(key) < 8:
         raise ChecksumError(f"a chunk key has at least 8 bytes, got {len(key)}")
     lo = int.from_bytes(key[:8], "little")
     hi = int.from_bytes(key[8:16].ljust(8, b"\0"), "little")
-    return fmix64(fmix64(lo ^ fmix64(hi)) ^ fmix64((group << 32) ^ shard ^ POS_OFFSET))
+    return fmix64(lo ^ fmix64(hi))
+
+
+def shard_seed(digest: int, group: int, shard: int) -> int:
+    """What a worker of ``shard`` seeds ``group``'s chunk with, from its key's digest."""
+    return fmix64(digest ^ fmix64((group << 32) ^ shard ^ POS_OFFSET))
 
 
 def seal_of(seed: int, block: int) -> int:
@@ -278,3 +289,27 @@ def block_sums(buf: torch.Tensor, runs: Sequence[int] | None, blocks_per_chunk: 
 def checksum(buf: torch.Tensor, seed: int) -> int:
     """The 64-bit checksum of ``buf`` (uint8, a multiple of 8 bytes) under ``seed``."""
     return (seal_of(seed, 0) + block_sums(buf, None, 1)[0]) & MASK64
+
+
+# --- vectorized seeds and seals (the GPU engine's host side) -------------------------------
+
+def _fmix64_np(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = z ^ (z >> _U(33))
+        z = z * _U(FMIX1)
+        z = z ^ (z >> _U(33))
+        z = z * _U(FMIX2)
+        return z ^ (z >> _U(33))
+
+
+def shard_seeds_np(digests: np.ndarray, group: int, shard: int) -> np.ndarray:
+    """:func:`shard_seed` of every key digest (uint64) for one group and shard."""
+    mix = _U(fmix64((group << 32) ^ shard ^ POS_OFFSET))
+    return _fmix64_np(digests.astype(_U) ^ mix)
+
+
+def seals_np(seeds: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
+    """``(n, blocks_per_chunk)`` uint64: :func:`seal_of` of every seed and block position."""
+    steps = (np.arange(1, blocks_per_chunk + 1, dtype=_U) * _U(SEAL_STEP)).astype(_U)
+    with np.errstate(over="ignore"):
+        return _fmix64_np(seeds.astype(_U)[:, None] + steps[None, :])

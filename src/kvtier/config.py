@@ -211,6 +211,19 @@ class KvtierConfig(BaseModel):
     cost_model: bool = Field(
         default=True, description="Decline loads that cost more than recomputing (else load all)."
     )
+    verify_checksums: bool = Field(
+        default=True,
+        description="Checksum every chunk at save and verify it before a restore: a mismatch "
+        "fails the load (vLLM recomputes those tokens), is counted (checksum_failures) and "
+        "logged, and the chunk is dropped. On vLLM 0.25.1 with several KV-cache groups, where "
+        "a load cannot fail once promised, hits are verified before they are promised.",
+    )
+    prepare_timeout_ms: Number = Field(
+        default=1000.0, gt=0,
+        description="Where hits are verified before they are promised (see verify_checksums): "
+        "the longest a request waits for it, from its first lookup, before it goes on "
+        "without the hit.",
+    )
     allow_fail_policy: bool = Field(
         default=False,
         description="Start even if vLLM's kv_load_failure_policy is not 'recompute'.",

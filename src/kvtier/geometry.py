@@ -182,6 +182,8 @@ class Geometry:
         return lay_out_slab(
             config.dram_size, kv, num_shards=num_shards,
             state_slot_bytes=max(state) if state else None, state_bytes=config.state_size,
+            checksum_entries=[self.blocks_per_chunk(g) for g in self.kv_groups]
+            + ([1] if state else []),
         )
 
 

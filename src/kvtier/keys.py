@@ -9,6 +9,13 @@ unambiguous. The per-request ``cache_salt`` enters chunk 0's extra keys as
 can never be mimicked by extra keys), and tenants never share chunks.
 The TP/PP rank is not part of a key: it is a sub-address of where a rank's shard lives.
 
+With speculative decoding by EAGLE/MTP drafts, the stored bytes of a chunk's last position
+depend on the token *after* the chunk: a draft layer's KV at position ``p`` is computed from
+the target's hidden state at ``p`` and the embedding of token ``p + 1``. Such an engine keys
+each chunk with that one ``lookahead`` token too (``tokens of chunk i`` is then
+``tokens[i*c : (i+1)*c + 1]``), so a stored chunk is found only by a request that continues
+it with the same token; a chunk is keyable once that token is known.
+
 Keys are stable across processes and restarts: no ``hash()``, no per-process seed.
 Extra keys (vLLM's per-block extra keys: multimodal hashes, LoRA, prompt embeddings) must be
 made of None, bool, int, float, str, bytes and tuples/lists of those, with ints in
@@ -127,7 +134,8 @@ class RequestKeys:
 
     ``update(tokens)`` hashes only chunks that became full since the last call; the whole
     prompt is never rehashed. Once extra keys cannot be encoded the request is marked
-    unsaveable and no further keys are produced.
+    unsaveable and no further keys are produced. ``lookahead`` tokens after each chunk are
+    part of its key (see the module docstring); the extra keys stay the chunk's own.
     """
 
     def __init__(
@@ -136,13 +144,17 @@ class RequestKeys:
         chunk_tokens: int,
         cache_salt: str | None = None,
         extra_keys: ExtraKeysFn | None = None,
+        lookahead: int = 0,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive")
+        if lookahead < 0:
+            raise ValueError("lookahead must not be negative")
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.cache_salt = cache_salt
         self.extra_keys = extra_keys
+        self.lookahead = lookahead
         self.keys: list[bytes] = []
         self.unsaveable = False
 
@@ -155,11 +167,11 @@ class RequestKeys:
 
         Returns the number of full chunks keyed. ``tokens`` must extend what was seen before.
         """
-        c = self.chunk_tokens
+        c, ahead = self.chunk_tokens, self.lookahead
         n = len(tokens)
-        if n < (len(self.keys) + 1) * c or self.unsaveable:
+        if n < (len(self.keys) + 1) * c + ahead or self.unsaveable:
             return len(self.keys)  # the common decode step: no chunk became full
-        target = n // c
+        target = (n - ahead) // c
         while not self.unsaveable and len(self.keys) < target:
             i = len(self.keys)
             start, end = i * c, (i + 1) * c
@@ -170,7 +182,7 @@ class RequestKeys:
                 break
             parent = self.keys[-1] if self.keys else self.namespace
             try:
-                self.keys.append(chunk_key(parent, tokens[start:end], extra))
+                self.keys.append(chunk_key(parent, tokens[start:end + ahead], extra))
             except (OverflowError, TypeError):  # a token id that is not a uint32
                 self.unsaveable = True
         return len(self.keys)

@@ -44,6 +44,8 @@ class Decline(str, Enum):
     LOAD_BOUND = "too_many_loads_in_flight"
     LOADS_DISABLED = "loads_disabled"
     DEFERRED = "lookup_deferred"
+    PREPARE_TIMEOUT = "prepare_timed_out"
+    PREPARE_FAILED = "prepare_failed"
 
 
 @dataclass(frozen=True)
@@ -175,12 +177,22 @@ def chunks_to_save(
     computed_tokens: int,
     num_prompt_tokens: int,
     save_generated: bool,
+    volatile_tail: bool = False,
 ) -> range:
     """Chunk indices that became full and computed and were not considered before.
 
     ``computed_tokens`` counts tokens whose KV will be in the cache after this step; the keys
     cover only tokens known so far, so a chunk whose last token is not yet sampled waits.
+
+    ``volatile_tail`` (EAGLE/MTP drafts): the draft KV of a chunk's last position is final
+    once the token after it is accepted and the draft re-run over it, which a rejected
+    speculation can postpone by a step. A chunk whose next token is a prompt token or the
+    first sampled one is final when computed; a chunk of generated tokens waits until the
+    whole next chunk is computed (vLLM's OffloadingConnector excludes the trailing chunk of
+    draft groups while decoding, for the same reason).
     """
     limit = computed_tokens if save_generated else min(computed_tokens, num_prompt_tokens)
     last = min(limit // chunk_tokens, num_keys)
+    if volatile_tail:
+        last = min(last, max(num_prompt_tokens, computed_tokens - chunk_tokens) // chunk_tokens)
     return range(first_unsaved, max(first_unsaved, last))

@@ -22,10 +22,13 @@ class _Named(str, Enum):
 
 
 class JobKind(_Named):
-    """What a job moves: a chunk into the slab (save) or a request's chunks out (load)."""
+    """What a job does: move a chunk into the slab (save), move a request's chunks out
+    (load), or check a request's stored chunks in place before a hit is promised (verify:
+    nothing is written, see :attr:`StepPlan.verifies`)."""
 
     SAVE = "save"
     LOAD = "load"
+    VERIFY = "verify"
 
 
 class SaveDrop(_Named):
@@ -56,12 +59,19 @@ class TransferOp:
     """Move one chunk of one group between GPU blocks and one slab slot.
 
     ``block_ids`` has one entry per block of the chunk (one for a recurrent-state object);
-    in loads an entry may be :data:`SKIP`.
+    in loads an entry may be :data:`SKIP` (and that block position is not verified).
+
+    ``seed``: the 64-bit digest of the chunk's key (:func:`kvtier.checksum.key_seed`; for a
+    recurrent-state object the key of the chunk that ends at its boundary). The worker mixes
+    in ``group`` and its shard (:func:`kvtier.checksum.shard_seed`), so the op stays the same
+    for every rank while a slot holding another chunk, another group or another rank's shard
+    fails verification.
     """
 
     group: int
     slot: int
     block_ids: list[int]
+    seed: int = 0
 
 
 @dataclass
@@ -83,35 +93,52 @@ class StepPlan:
     saves: list[Job] = field(default_factory=list)
     fence: list[int] = field(default_factory=list)  # save jobs the next compute must wait for
     reset: bool = False
+    # checks of stored chunks before a hit is promised (JobKind.VERIFY; block ids unused)
+    verifies: list[Job] = field(default_factory=list)
     tier: TierPlan | None = None  # demotions, promotions and deletes of a lower tier
 
 
 @dataclass
 class WorkerReport:
-    """Completions of one step, summed over workers. Values: [ok, failed] per job."""
+    """Completions of one step, summed over workers. Values: [ok, failed] per job.
+
+    ``corrupt``: per load or verify job, the (slot class, slot) pairs whose bytes did not
+    match their checksum on some rank; ``checksum_failures``: jobs that failed so, per rank.
+    """
 
     saves: dict[int, list[int]] = field(default_factory=dict)
     loads: dict[int, list[int]] = field(default_factory=dict)
+    verifies: dict[int, list[int]] = field(default_factory=dict)
+    corrupt: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    checksum_failures: int = 0
     bytes_saved: int = 0
     bytes_loaded: int = 0
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     fences_waited: int = 0
+    # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
+    jobs: list[tuple[str, int, float]] = field(default_factory=list)
     tier: TierReport = field(default_factory=TierReport)
 
     def add(self, other: WorkerReport) -> WorkerReport:
-        for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads)):
+        for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads),
+                             (self.verifies, other.verifies)):
             for job, (ok, failed) in theirs.items():
                 cur = mine.setdefault(job, [0, 0])
                 cur[0] += ok
                 cur[1] += failed
+        for job, pairs in other.corrupt.items():
+            known = self.corrupt.setdefault(job, [])
+            known.extend(p for p in pairs if p not in known)
+        self.checksum_failures += other.checksum_failures
         self.bytes_saved += other.bytes_saved
         self.bytes_loaded += other.bytes_loaded
         self.save_seconds += other.save_seconds
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
+        self.jobs.extend(other.jobs)
         self.tier.add(other.tier)
         return self
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.tier.jobs)
+        return not (self.saves or self.loads or self.verifies or self.tier.jobs)

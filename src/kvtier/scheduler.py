@@ -4,7 +4,9 @@ It owns all metadata (index, policy, slot numbering, jobs); workers only move by
 engine adapter calls:
 
 1. ``lookup`` for waiting requests (side-effect free apart from key hashing; may be repeated),
-   then ``start_load`` once the engine allocated blocks for a promised hit;
+   then ``start_load`` once the engine allocated blocks for a promised hit; with
+   ``prepare_hits``, a lookup may first defer (``None``) while the workers prepare the hit
+   (:mod:`kvtier.prepare`: lookup -> prepare -> complete);
 2. once per step, ``schedule_step`` with everything the engine scheduled (one
    :class:`StepInput`) -> the step's :class:`StepPlan`; the scheduler applies it in its own
    order: preemptions, then block tables (which also collects the step's allocations, fenced
@@ -28,10 +30,12 @@ Contracts (docs/design.md §2):
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.geometry import NULL_BLOCK, Geometry
 from kvtier.index.base import Entry
@@ -46,7 +50,8 @@ from kvtier.planner import (
     find_hit,
 )
 from kvtier.policy import make_admission, make_policy
-from kvtier.protocol import Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
+from kvtier.prepare import ChunkRef, Preparation
+from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
 from kvtier.tiers.schedule import LowerTier, TierScheduler
 
@@ -102,6 +107,8 @@ class RequestState:
     save_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     last_decline: Decline | None = None
+    preparation: Preparation | None = None  # prepare before promise (kvtier.prepare)
+    prepare_declined: Decline | None = None  # set: no more preparations, no hit
 
 
 @dataclass
@@ -116,6 +123,7 @@ class _JobState:
     failed: int = 0
     state: RequestState | None = None  # the lifecycle it belongs to (ids can be reused)
     step: int = 0  # the step whose plan carried it
+    corrupt: set[tuple[int, int]] = field(default_factory=set)  # (class, slot) that failed
 
 
 @dataclass
@@ -140,6 +148,10 @@ class SchedulerStats:
     max_job_steps: int = 0  # longest a job stayed in flight, in engine steps
     unsaveable_requests: int = 0
     resets: int = 0
+    checksum_failures: int = 0  # jobs whose slots did not verify, summed over ranks
+    prepares: int = 0  # preparation jobs planned (kvtier.prepare)
+    prepare_deferrals: int = 0  # lookups answered "ask again" while a hit was prepared
+    corrupt_chunks: int = 0  # stored chunks dropped because their bytes did not verify
 
 
 class OffloadScheduler:
@@ -151,9 +163,19 @@ class OffloadScheduler:
         slab_layout: SlabLayout,
         world_size: int = 1,
         loads_enabled: bool = True,
+        prepare_hits: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        draft_lookahead: int = 0,
         lower: LowerTier | None = None,
     ) -> None:
+        """``prepare_hits``: verify a hit's chunks on the workers before promising it
+        (:mod:`kvtier.prepare`; where a load cannot fail once promised). ``clock``: seconds,
+        for the preparation's timeout."""
         self.config = config
+        self.prepare_hits = prepare_hits
+        self._clock = clock
+        # tokens after a chunk its bytes depend on: 1 with EAGLE/MTP drafts (kvtier.keys)
+        self.draft_lookahead = draft_lookahead
         self.geometry = geometry
         self.namespace = namespace
         self.world_size = world_size
@@ -186,6 +208,7 @@ class OffloadScheduler:
         self._step = 0
         self._step_loads: list[Job] = []
         self._step_saves: list[Job] = []
+        self._step_verifies: list[Job] = []
         self._step_allocated: list[set[int]] = [set() for _ in geometry.groups]
         self._step_preempted: set[str] = set()
         self._reset_pending = False
@@ -206,20 +229,21 @@ class OffloadScheduler:
         if old is not None:  # the id is reused: the old lifecycle ends, its jobs finish on it
             old.finished = True
             old.pending_hit = None
+            self._release_preparation(old)
         if self.tier is not None:
             self.tier.forget_request(req_id)
-        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys)
+        keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys,
+                           lookahead=self.draft_lookahead)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
         self.requests[req_id] = st
         return st
 
     def lookup(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int | None:
         """Tokens kvtier will load beyond ``hbm_tokens`` for a request whose known tokens
-        are ``tokens`` (0: compute them). The decision is final once the engine allocates.
-        None: ask again next step (chunks are being promoted from a lower tier into DRAM;
-        a hit is promised only for bytes already in DRAM)."""
+        are ``tokens`` (0: compute them; None: ask again next step, the hit is being
+        prepared, or promoted from a lower tier into DRAM: a hit is promised only for bytes
+        already in DRAM). The decision is final once the engine allocates."""
         st = self.requests[req_id]
-        self.stats.lookups += 1
         if self.tier is not None and self.tier.deferring(req_id, self._step):
             return None
         hit = self._decide(st, tokens, hbm_tokens)
@@ -227,6 +251,13 @@ class OffloadScheduler:
                 req_id, st.keys.keys, len(tokens), hbm_tokens, hit, self._step):
             st.pending_hit = None
             return None
+        if hit.ok and self.prepare_hits:
+            prepared = self._prepare(st, hit, hbm_tokens)
+            if prepared is None:
+                self.stats.prepare_deferrals += 1
+                return None
+            hit = prepared
+        self.stats.lookups += 1
         if hit.ok:
             st.pending_hit = (hit, hbm_tokens)
             return hit.tokens
@@ -241,6 +272,8 @@ class OffloadScheduler:
             return Hit.declined(Decline.LOADS_DISABLED)
         if st.load_failed:
             return Hit.declined(Decline.FAILED_BEFORE)
+        if st.prepare_declined is not None:
+            return Hit.declined(st.prepare_declined)
         st.keys.update(tokens)
         if st.keys.unsaveable:
             return Hit.declined(Decline.UNSAVEABLE)
@@ -272,14 +305,14 @@ class OffloadScheduler:
         entries: list[Entry] = []
         ops: list[TransferOp] = []
         first_chunk = hbm // geo.chunk_tokens
-        for g in range(len(geo.groups)):
-            chunks = geo.chunks_to_load(g, first_chunk, hit.boundary)
+        for g, chunks in self._hit_chunks(hit, hbm):
             keys = [st.keys.keys[j] for j in chunks]
             pinned = self.index.pin(g, keys)
             self.index.touch(g, keys)
             entries += pinned
             for j, e in zip(chunks, pinned):
-                ops.append(TransferOp(g, e.slot, geo.blocks_to_load(g, st.block_ids[g], j, hbm)))
+                ops.append(TransferOp(g, e.slot, geo.blocks_to_load(g, st.block_ids[g], j, hbm),
+                                      key_seed(e.key)))
         job = Job(next(self._job_ids), req_id, ops)
         n_chunks = hit.boundary - first_chunk
         self.jobs[job.job_id] = _JobState(job, JobKind.LOAD, entries, [], n_chunks, hit.tokens)
@@ -288,12 +321,95 @@ class OffloadScheduler:
         st.load_job = job.job_id
         self.jobs[job.job_id].state = st
         self._step_loads.append(job)
+        self._release_preparation(st)  # the load holds its own pins now
         self.stats.loads_started += 1
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
         if self.tier is not None:
             self.tier.note_load(req_id, hit.tokens)
         return job
+
+    def _hit_chunks(self, hit: Hit, hbm_tokens: int) -> list[tuple[int, range]]:
+        """Per group, the chunk indices a load of ``hit`` reads."""
+        geo = self.geometry
+        first = hbm_tokens // geo.chunk_tokens
+        return [(g, geo.chunks_to_load(g, first, hit.boundary)) for g in range(len(geo.groups))]
+
+    # -- prepare before promise (kvtier.prepare) --------------------------------------------
+    def _prepare(self, st: RequestState, hit: Hit, hbm_tokens: int) -> Hit | None:
+        """``hit`` once all its chunks are prepared; None while they are being prepared (a
+        job is planned for those that are not); declined at the timeout."""
+        live: dict[ChunkRef, Entry | None] = {}
+        for g, chunks in self._hit_chunks(hit, hbm_tokens):
+            for j in chunks:
+                key = st.keys.keys[j]
+                live[(g, key)] = self.index.get(g, key)
+        prep = st.preparation
+        if prep is not None and prep.job is None and prep.covers(live):
+            return hit
+        now = self._clock()
+        if prep is None:
+            prep = st.preparation = Preparation(started=now)
+        if (now - prep.started) * 1e3 > self.config.prepare_timeout_ms:
+            self._release_preparation(st)
+            st.prepare_declined = Decline.PREPARE_TIMEOUT
+            return Hit.declined(Decline.PREPARE_TIMEOUT)
+        if prep.job is None:
+            self._plan_preparation(st, prep, prep.missing(live))
+        return None
+
+    def _plan_preparation(self, st: RequestState, prep: Preparation,
+                          refs: list[ChunkRef]) -> None:
+        """A verify job over ``refs`` (ready chunks: the hit was just found), pinning them."""
+        entries, ops = [], []
+        self._unpin([e for ref in refs if (e := prep.prepared.pop(ref, None)) is not None])
+        for g, key in refs:
+            (e,) = self.index.pin(g, [key])
+            entries.append(e)
+            bpc = self.geometry.blocks_per_chunk(g)
+            ops.append(TransferOp(g, e.slot, [SKIP] * bpc, key_seed(key)))
+        job = Job(next(self._job_ids), st.req_id, ops)
+        self.jobs[job.job_id] = _JobState(job, JobKind.VERIFY, entries, [], 0, state=st)
+        self._pinned_chunks += len(entries)
+        prep.job = job.job_id
+        self._step_verifies.append(job)
+        self.stats.prepares += 1
+
+    def _finish_preparation(self, js: _JobState) -> None:
+        """Keep the chunks that verified pinned for the promise; drop those that did not."""
+        st = js.state
+        prep = st.preparation if st is not None else None
+        current = prep is not None and prep.job == js.job.job_id and not st.finished
+        if prep is not None and prep.job == js.job.job_id:
+            prep.job = None
+        keep = []
+        # a failed job proves nothing about its other chunks (a rank may have failed for
+        # another reason): they are verified again by the next job
+        for e in js.entries:
+            if current and not js.failed and not e.doomed:
+                prep.prepared[(e.group, e.key)] = e  # type: ignore[union-attr]
+                keep.append(e)
+        self._unpin([e for e in js.entries if e not in keep])
+        self._drop_corrupt(js)
+        if current and js.failed and not js.corrupt:
+            self._release_preparation(st)  # type: ignore[arg-type]
+            st.prepare_declined = Decline.PREPARE_FAILED  # type: ignore[union-attr]
+
+    def _release_preparation(self, st: RequestState) -> None:
+        """End a request's preparation: its prepared chunks are unpinned (a job in flight
+        unpins its own when it finishes)."""
+        prep = st.preparation
+        if prep is None:
+            return
+        self._unpin(list(prep.prepared.values()))
+        prep.prepared.clear()
+        if prep.job is None:
+            st.preparation = None
+
+    def _unpin(self, entries: list[Entry]) -> None:
+        if entries:
+            self.index.unpin(entries)
+            self._pinned_chunks -= len(entries)
 
     def on_blocks(self, req_id: str, new_block_ids: Sequence[Sequence[int]] | None,
                   replace: bool = False) -> None:
@@ -347,6 +463,7 @@ class OffloadScheduler:
         todo = chunks_to_save(
             self.geometry.chunk_tokens, st.keys.num_chunks, st.saved_chunks,
             computed_after_step, num_prompt, self.config.save_generated_tokens,
+            volatile_tail=self.draft_lookahead > 0,
         )
         jobs = []
         for j in todo:
@@ -380,6 +497,7 @@ class OffloadScheduler:
             return SaveDrop.ADMISSION
         entries: list[Entry] = []
         ops: list[TransferOp] = []
+        seed = key_seed(key)
         for g, ids in wanted:
             e = self.index.reserve(g, key, parent)
             if not isinstance(e, Entry):
@@ -387,7 +505,7 @@ class OffloadScheduler:
                     self.index.abort(done)
                 return e
             entries.append(e)
-            ops.append(TransferOp(g, e.slot, ids))
+            ops.append(TransferOp(g, e.slot, ids, seed))
         job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
         blocks = [(op.group, b) for op in ops for b in op.block_ids]
         self.jobs[job.job_id] = _JobState(job, JobKind.SAVE, entries, blocks, 1)
@@ -444,12 +562,13 @@ class OffloadScheduler:
             if owner is None or owner.finished:
                 self.stats.fences_after_finish += 1
         self._step += 1
-        for job in self._step_loads + self._step_saves:
+        for job in self._step_loads + self._step_saves + self._step_verifies:
             self.jobs[job.job_id].step = self._step
         plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
-                        self._reset_pending,
-                        self.tier.take_plan(len(self._step_saves)) if self.tier is not None else None)
-        self._step_loads, self._step_saves = [], []
+                        self._reset_pending, self._step_verifies,
+                        self.tier.take_plan(len(self._step_saves)) if self.tier is not None
+                        else None)
+        self._step_loads, self._step_saves, self._step_verifies = [], [], []
         self._step_allocated = [set() for _ in self.geometry.groups]
         self._step_preempted = set()
         self._reset_pending = False
@@ -458,7 +577,13 @@ class OffloadScheduler:
     def on_report(self, report: WorkerReport) -> None:
         if self.tier is not None and (report.tier.jobs or report.tier.full):
             self.tier.on_report(report.tier)
-        for kind, table in ((JobKind.SAVE, report.saves), (JobKind.LOAD, report.loads)):
+        self.stats.checksum_failures += report.checksum_failures
+        for job_id, pairs in report.corrupt.items():
+            js = self.jobs.get(job_id)
+            if js is not None:
+                js.corrupt.update(pairs)
+        for kind, table in ((JobKind.SAVE, report.saves), (JobKind.LOAD, report.loads),
+                            (JobKind.VERIFY, report.verifies)):
             for job_id, (ok, failed) in table.items():
                 js = self.jobs.get(job_id)
                 if js is None or js.kind != kind:
@@ -479,7 +604,9 @@ class OffloadScheduler:
         del self.jobs[js.job.job_id]
         self.stats.max_job_steps = max(self.stats.max_job_steps, self._step - js.step)
         st = js.state
-        if js.kind is JobKind.SAVE:
+        if js.kind is JobKind.VERIFY:
+            self._finish_preparation(js)
+        elif js.kind is JobKind.SAVE:
             self._pending_save_chunks -= 1
             for g, b in js.blocks:
                 jobs = self._block_jobs[g].get(b)
@@ -502,6 +629,7 @@ class OffloadScheduler:
             self._pending_load_chunks -= js.chunks
             self._pinned_chunks -= len(js.entries)
             self.index.unpin(js.entries)
+            self._drop_corrupt(js)
             if js.failed:
                 self.stats.loads_failed += 1
             else:
@@ -511,9 +639,26 @@ class OffloadScheduler:
                 st.load_job = None
                 if js.failed:
                     st.load_failed = True
-        if (st is not None and st.finished and not st.save_jobs and st.load_job is None
+        if (st is not None and st.finished and self._idle(st)
                 and self.requests.get(st.req_id) is st):
             del self.requests[st.req_id]
+
+    @staticmethod
+    def _idle(st: RequestState) -> bool:
+        """No job of the request is in flight."""
+        return (not st.save_jobs and st.load_job is None
+                and (st.preparation is None or st.preparation.job is None))
+
+    def _drop_corrupt(self, js: _JobState) -> None:
+        """Forget the chunks of a finished job whose slots failed verification on any rank
+        (and, through the index, what is unreachable without them), so no later lookup hits
+        the same bad bytes; their slots return to the free list."""
+        if not js.corrupt:
+            return
+        for e in js.entries:
+            if (self.slot_class[e.group], e.slot) in js.corrupt and not e.doomed:
+                self.index.discard(e)
+                self.stats.corrupt_chunks += 1
 
     def request_finished(self, req_id: str) -> None:
         """The request finished or was aborted; its in-flight jobs still complete normally."""
@@ -522,9 +667,10 @@ class OffloadScheduler:
             return
         st.finished = True
         st.pending_hit = None
+        self._release_preparation(st)
         if self.tier is not None:
             self.tier.forget_request(req_id)
-        if not st.save_jobs and st.load_job is None:
+        if self._idle(st):
             del self.requests[req_id]
 
     def reset(self) -> None:
@@ -536,7 +682,7 @@ class OffloadScheduler:
         self.stats.resets += 1
 
     def has_pending_work(self) -> bool:
-        return bool(self.jobs or self._step_loads or self._step_saves
+        return bool(self.jobs or self._step_loads or self._step_saves or self._step_verifies
                     or (self.tier is not None and self.tier.has_pending_work()))
 
     def observe_step(self, seconds: float, prefill_tokens: int) -> None:

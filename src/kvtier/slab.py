@@ -10,6 +10,11 @@ allocator (scheduler), and the memory itself (workers).
 - With more than one rank the memory is a shared-memory segment (:mod:`kvtier.shm`: reserved
   up front, private to this engine, unlinked once every rank mapped it) so that ranks can
   read each other's shards; with one, plain process memory (no /dev/shm needed).
+- Every slot class has a *checksum table* (int64, ``entries`` per slot: one per block position
+  of its chunk, :mod:`kvtier.checksum`) in each shard, after the slots: inside ``dram_size``
+  and, under TP, inside the shared segment, so every rank sees every shard's table. The
+  region is laid out whether or not checksums are verified, so the setting never changes
+  the layout.
 - For a GPU, memory is registered (pinned) after the device is set, through a
   :class:`Pinner` (for CUDA :class:`kvtier.gpu.pinning.CudaPinner`; this module makes no
   device call), in steps of at most ``pin_step`` bytes that never split a slot; a size the
@@ -21,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -44,10 +49,16 @@ class SizeClass:
     stride: int  # slot_bytes rounded up to ALIGN
     num_slots: int
     offset: int  # of slot 0 inside a shard
+    sums_entries: int = 1  # checksum entries (int64) per slot: one per block position
+    sums_offset: int = 0  # of the class's checksum table inside a shard (8-byte aligned)
 
     @property
     def bytes(self) -> int:
         return self.stride * self.num_slots
+
+    @property
+    def sums_bytes(self) -> int:
+        return 8 * self.sums_entries * self.num_slots
 
 
 @dataclass(frozen=True)
@@ -75,23 +86,31 @@ def lay_out_slab(
     num_shards: int = 1,
     state_slot_bytes: int | None = None,
     state_bytes: int | None = None,
+    checksum_entries: Sequence[int] | None = None,
 ) -> SlabLayout:
-    """Split ``total_bytes`` (all shards) into size classes.
+    """Split ``total_bytes`` (all shards) into size classes and their checksum tables.
 
     KV classes come first (one per group, same slot count), the state class last, with
     ``state_bytes`` of the total (default a quarter). A model with only recurrent state (no
-    KV classes) gives all of ``total_bytes`` to state.
+    KV classes) gives all of ``total_bytes`` to state. ``checksum_entries``: per class (KV
+    classes, then state), the checksum entries of one slot (default 1 each). Each shard is
+    the KV slots, the KV tables, the state slots, the state table, each region aligned.
     """
     if num_shards < 1:
         raise SlabError("num_shards must be at least 1")
     per_shard = total_bytes // num_shards
     state_share = 0
     strides = [_align_up(b) for b in kv_slot_bytes]
+    n_classes = len(strides) + (1 if state_slot_bytes else 0)
+    entries = list(checksum_entries) if checksum_entries is not None else [1] * n_classes
+    if len(entries) != n_classes or any(e < 1 for e in entries):
+        raise SlabError(f"checksum entries {entries} for {n_classes} slot classes")
     if state_slot_bytes and not strides:
         state_share = per_shard  # only recurrent state: nothing else to leave room for
     elif state_slot_bytes:
         state_share = (state_bytes if state_bytes is not None else total_bytes // 4) // num_shards
-    kv_slots = (per_shard - state_share) // sum(strides) if strides else 0
+    kv_entries = entries[: len(strides)]
+    kv_slots = _slots_fitting(per_shard - state_share, sum(strides), 8 * sum(kv_entries))
     if strides and kv_slots < 1:
         raise SlabError(
             f"dram_size {format_bytes(total_bytes)} holds no chunk: one chunk of every group "
@@ -100,19 +119,36 @@ def lay_out_slab(
         )
     classes, pos = [], 0
     for g, (b, s) in enumerate(zip(kv_slot_bytes, strides)):
-        classes.append(SizeClass(f"g{g}", b, s, kv_slots, pos))
+        classes.append(SizeClass(f"g{g}", b, s, kv_slots, pos, kv_entries[g]))
         pos += s * kv_slots
+    for g in range(len(classes)):
+        classes[g] = replace(classes[g], sums_offset=pos)
+        pos += classes[g].sums_bytes
+    pos = _align_up(pos)
     if state_slot_bytes:
         stride = _align_up(state_slot_bytes)
-        n_state = state_share // stride
+        n_state = _slots_fitting(state_share, stride, 8 * entries[-1])
         if n_state < 1:
             raise SlabError(
                 f"the state share {format_bytes(state_share * num_shards)} holds no recurrent-"
                 f"state object of {format_bytes(state_slot_bytes)}; raise state_size"
             )
-        classes.append(SizeClass("state", state_slot_bytes, stride, n_state, pos))
+        state = SizeClass("state", state_slot_bytes, stride, n_state, pos, entries[-1])
         pos += stride * n_state
+        classes.append(replace(state, sums_offset=pos))
+        pos += state.sums_bytes
     return SlabLayout(tuple(classes), _align_up(pos), num_shards)
+
+
+def _slots_fitting(budget: int, stride: int, table_bytes: int) -> int:
+    """The most slots of ``stride`` bytes (per slot also ``table_bytes`` of checksum table,
+    the table rounded up to :data:`ALIGN`) within ``budget`` bytes."""
+    if stride <= 0 or budget <= 0:
+        return 0
+    n = budget // (stride + table_bytes)
+    while n > 0 and n * stride + _align_up(n * table_bytes) > budget:
+        n -= 1
+    return n
 
 
 class SlotAllocator:
@@ -224,6 +260,14 @@ class HostSlab:
         """The ``slot_bytes`` of one slot of one shard, as a uint8 tensor."""
         off = self.layout.offset(cls, slot, shard)
         return self.buffer[off : off + self.layout.classes[cls].slot_bytes]
+
+    def sums(self, cls: int, shard: int = 0) -> torch.Tensor:
+        """The checksum table of one class in one shard: ``(num_slots, entries)`` int64, a
+        view of the slab memory (written by the rank that saves the slot, read by loads)."""
+        c = self.layout.classes[cls]
+        off = shard * self.layout.shard_bytes + c.sums_offset
+        return self.buffer[off : off + c.sums_bytes].view(torch.int64).view(
+            c.num_slots, c.sums_entries)
 
     def close(self) -> None:
         if self._pinner is not None:

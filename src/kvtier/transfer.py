@@ -10,6 +10,13 @@ blocks a save still reads.
 :class:`ThreadedTransferEngine` runs the reference codec on a worker thread: torch's copies
 release the GIL, so it overlaps the forward on CPU and serves as the correctness baseline
 everywhere. The GPU engine (streams, events, batched DMA) lives in ``kvtier.gpu``.
+
+Verified restores (:mod:`kvtier.checksum`, ``verify_checksums``): a save stores, in the slab's
+checksum table, one checksum per block position of the slot as written; a load compares every
+position it writes before it writes any (on CPU the scatter is a memcpy from the slot, so
+checking the slot is end to end), and a mismatch fails the job with the corrupt slots in
+:attr:`Completion.corrupt`. A verify job (:data:`~kvtier.protocol.JobKind.VERIFY`) checks a
+request's slots in place and writes nothing.
 """
 
 from __future__ import annotations
@@ -18,13 +25,38 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvtier import codec
+import numpy as np
+import torch
+
+from kvtier import checksum, codec
 from kvtier.geometry import Geometry
-from kvtier.layout import Layout
+from kvtier.layout import GroupLayout, Layout
 from kvtier.protocol import SKIP, Job, JobKind, TransferOp
 from kvtier.slab import HostSlab
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One slot whose bytes do not match its stored checksum: the block positions that
+    differ (all of them for a chunk checksummed as one block)."""
+
+    group: int
+    slot_class: int
+    slot: int
+    blocks: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"group {self.group} slot {self.slot} blocks {list(self.blocks)}"
+
+
+class ChecksumMismatch(Exception):
+    """Slots whose bytes did not verify; the job fails before anything is written."""
+
+    def __init__(self, mismatches: Sequence[Mismatch]) -> None:
+        self.mismatches = list(mismatches)
+        super().__init__("checksum mismatch: " + "; ".join(str(m) for m in self.mismatches))
 
 
 @dataclass
@@ -35,6 +67,7 @@ class Completion:
     nbytes: int
     seconds: float
     error: str = ""
+    corrupt: list[Mismatch] = field(default_factory=list)  # a checksum failure, if any
 
 
 class TransferEngine(ABC):
@@ -45,6 +78,12 @@ class TransferEngine(ABC):
     @abstractmethod
     def load(self, job: Job) -> None:
         """Start copying the job's slots into its blocks."""
+
+    def verify(self, job: Job) -> None:
+        """Start checking the job's slots against their checksums (nothing is written); the
+        completion is a :data:`~kvtier.protocol.JobKind.VERIFY` one, ``corrupt`` set on a
+        mismatch. Engines that cannot check on the host keep this default."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify slots")
 
     @abstractmethod
     def fence(self, job_ids: Sequence[int]) -> int:
@@ -79,23 +118,38 @@ class TransferEngine(ABC):
 class ChunkMover:
     """The codec applied to one job's ops against one slab shard: chunk ``j`` of group ``g``
     is ``geometry.blocks_per_chunk(g)`` blocks of ``layout``'s group ``g``, in a slot of
-    class ``geometry.slot_classes[g]``."""
+    class ``geometry.slot_classes[g]``. ``verify``: saves write the slot's checksums and
+    :meth:`check` compares them (off: neither)."""
 
-    def __init__(self, layout: Layout, geometry: Geometry, slab: HostSlab, shard: int) -> None:
+    def __init__(self, layout: Layout, geometry: Geometry, slab: HostSlab, shard: int,
+                 verify: bool = False) -> None:
         self.layout = layout
         self.geometry = geometry
         self.slab = slab
         self.shard = shard
+        self.verify = verify
         self.slot_class = geometry.slot_classes
         self.blocks_per_chunk = tuple(geometry.blocks_per_chunk(g)
                                       for g in range(len(geometry.groups)))
+        self._runs = [_checksum_runs(self.layout.groups[g], bpc)
+                      for g, bpc in enumerate(self.blocks_per_chunk)]
 
     def save_op(self, op: TransferOp) -> int:
         group = self.layout.groups[op.group]
         dst = self.slab.view(self.slot_class[op.group], op.slot, self.shard)
         bpc = self.blocks_per_chunk[op.group]
         codec.gather(group, op.block_ids, bpc, dst)
+        if self.verify:
+            self.store_sums(op)
         return codec.chunk_bytes(group, bpc)
+
+    def store_sums(self, op: TransferOp) -> None:
+        """Checksum the op's slot as it is now and store the result in the slab's table."""
+        cls = self.slot_class[op.group]
+        stored = checksum.seal(self._sums(op.group, self.slab.view(cls, op.slot, self.shard)),
+                               self.seed(op))
+        self.slab.sums(cls, self.shard)[op.slot, : len(stored)] = torch.from_numpy(
+            np.array(stored, dtype=np.uint64).view(np.int64))
 
     def load_op(self, op: TransferOp) -> int:
         group = self.layout.groups[op.group]
@@ -106,6 +160,101 @@ class ChunkMover:
             return codec.chunk_bytes(group, bpc)
         codec.scatter_positions(group, op.block_ids, bpc, src)
         return group.bytes_per_block * sum(1 for b in op.block_ids if b != SKIP)
+
+    # -- checksums ------------------------------------------------------------------------
+    def seed(self, op: TransferOp) -> int:
+        """The op's seed in this shard (the key digest mixed with group and shard)."""
+        return checksum.shard_seed(op.seed, op.group, self.shard)
+
+    def check(self, ops: Sequence[TransferOp], skip: bool = True) -> list[Mismatch]:
+        """The ops' slots whose bytes do not match their stored checksums; ``skip``: block
+        positions whose id is :data:`~kvtier.protocol.SKIP` are not compared (a load does not
+        write them). Empty when verification is off."""
+        if not self.verify:
+            return []
+        bad = []
+        for op in ops:
+            cls = self.slot_class[op.group]
+            src = self.slab.view(cls, op.slot, self.shard)
+            runs = self._runs[op.group]
+            sums = self._sums(op.group, src)
+            if runs is None:  # one checksum over the whole chunk: every position counts
+                positions: Sequence[int] = [0]
+            elif skip:
+                positions = [j for j, b in enumerate(op.block_ids) if b != SKIP]
+            else:
+                positions = range(len(sums))
+            stored = self.slab.sums(cls, self.shard)[op.slot].tolist()
+            blocks = checksum.mismatched_blocks(stored, sums, self.seed(op), positions)
+            if blocks:
+                if runs is None:
+                    blocks = list(range(self.blocks_per_chunk[op.group]))
+                bad.append(Mismatch(op.group, cls, op.slot, tuple(blocks)))
+        return bad
+
+    def _sums(self, group: int, slot: torch.Tensor) -> list[int]:
+        runs = self._runs[group]
+        bpc = self.blocks_per_chunk[group]
+        if runs is None:
+            n = -(-codec.chunk_bytes(self.layout.groups[group], bpc) // 8) * 8
+            return checksum.block_sums(slot[:n], None, 1)
+        return checksum.block_sums(slot[: sum(runs) * bpc], runs, bpc)
+
+
+def _checksum_runs(group: GroupLayout, bpc: int) -> list[int] | None:
+    """The runs a chunk of ``group`` is checksummed by, one checksum per block position; None
+    where a run is not whole 8-byte words (then the whole chunk, rounded up to a word inside
+    its slot, is one checksum)."""
+    runs = [s.run for s in group.segments]
+    return runs if all(r % 8 == 0 for r in runs) else None
+
+
+class SlotVerifier:
+    """Verify jobs (:data:`~kvtier.protocol.JobKind.VERIFY`) on a thread of their own, for an
+    engine whose copies do not run on the host: every slot of the job is checked against its
+    stored checksums (all block positions), nothing is written."""
+
+    def __init__(self, mover: ChunkMover) -> None:
+        self.mover = mover
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: dict[int, Future] = {}
+
+    def submit(self, job: Job) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
+        self._running[job.job_id] = self._pool.submit(self._run, job)
+
+    def _run(self, job: Job) -> Completion:
+        t0 = time.perf_counter()
+        try:
+            bad = self.mover.check(job.ops, skip=False)
+        except Exception as e:
+            return Completion(job.job_id, JobKind.VERIFY, False, 0, time.perf_counter() - t0,
+                              f"{type(e).__name__}: {e}")
+        if bad:
+            return Completion(job.job_id, JobKind.VERIFY, False, 0, time.perf_counter() - t0,
+                              str(ChecksumMismatch(bad)), bad)
+        return Completion(job.job_id, JobKind.VERIFY, True, 0, time.perf_counter() - t0)
+
+    def poll(self) -> list[Completion]:
+        out = []
+        for job_id, fut in list(self._running.items()):
+            if fut.done():
+                del self._running[job_id]
+                out.append(fut.result())
+        return out
+
+    def pending(self) -> int:
+        return len(self._running)
+
+    def drain(self) -> None:
+        for fut in list(self._running.values()):
+            fut.result()
+
+    def close(self) -> None:
+        self.drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class ThreadedTransferEngine(TransferEngine):
@@ -125,13 +274,24 @@ class ThreadedTransferEngine(TransferEngine):
     def _start(self, kind: JobKind, job: Job) -> None:
         self._running[job.job_id] = (kind, self._pool.submit(self._run, kind, job))
 
+    def verify(self, job: Job) -> None:
+        self._start(JobKind.VERIFY, job)
+
     def _run(self, kind: JobKind, job: Job) -> Completion:
         t0 = time.perf_counter()
         nbytes = 0
         try:
-            move = self.mover.save_op if kind is JobKind.SAVE else self.mover.load_op
-            for op in job.ops:
-                nbytes += move(op)
+            if kind is not JobKind.SAVE:  # every slot checked before any byte is written
+                bad = self.mover.check(job.ops, skip=kind is JobKind.LOAD)
+                if bad:
+                    raise ChecksumMismatch(bad)
+            if kind is not JobKind.VERIFY:
+                move = self.mover.save_op if kind is JobKind.SAVE else self.mover.load_op
+                for op in job.ops:
+                    nbytes += move(op)
+        except ChecksumMismatch as e:
+            return Completion(job.job_id, kind, False, 0, time.perf_counter() - t0, str(e),
+                              e.mismatches)
         except Exception as e:  # a failed copy is a failed job, reported like any other
             return Completion(job.job_id, kind, False, nbytes, time.perf_counter() - t0,
                               f"{type(e).__name__}: {e}")

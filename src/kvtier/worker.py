@@ -17,15 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.geometry import Geometry
 from kvtier.layout import Layout
 from kvtier.log import get_logger
-from kvtier.protocol import Job, JobKind, StepPlan, WorkerReport
+from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
 from kvtier.shm import SharedSlab
 from kvtier.slab import HostSlab, Pinner
 from kvtier.tiers.disk import DiskChunkStore
-from kvtier.tiers.seam import ChunkStore, TierPlan, TierRunner
+from kvtier.tiers.seam import ChunkStore, TierOp, TierPlan, TierRunner
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
 REQUERY_STEPS = 2
@@ -94,7 +95,8 @@ class OffloadWorker:
                              pinner=pinner, pin_step=config.pin_step_size)
         shard = 0 if replicated else rank
         self.writes = not replicated or rank == 0
-        self.mover = ChunkMover(layout, self.geometry, self.slab, shard)
+        self.mover = ChunkMover(layout, self.geometry, self.slab, shard,
+                                verify=config.verify_checksums)
         self.engine: TransferEngine = (
             engine_factory(self.mover) if engine_factory is not None
             else ThreadedTransferEngine(self.mover))
@@ -107,6 +109,7 @@ class OffloadWorker:
         self.requeried = 0  # completions found by query() after their notice went missing
         self.total_fences_waited = 0  # fences that found their save still pending, ever
         self.failures = 0  # failed transfer jobs, ever
+        self.checksum_failures = 0  # loads and verifies whose slots did not verify, ever
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
@@ -131,6 +134,10 @@ class OffloadWorker:
                 job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
             self._inflight[job.job_id] = self._collects
             self.engine.load(job)
+        for job in plan.verifies:
+            self._load_reqs[job.job_id] = (job.req_id, [])
+            self._inflight[job.job_id] = self._collects
+            self.engine.verify(job)
         if plan.tier is not None:
             self._submit_tier(plan.tier)
 
@@ -141,9 +148,15 @@ class OffloadWorker:
             self.tier = TierRunner(
                 self._tier_store(plan, self._shard),
                 lambda g, slot: self.slab.view(slot_class[g], slot, self._shard),
-                moves=self.writes, max_jobs=self.config.disk_max_pending_chunks + 64)
+                moves=self.writes, max_jobs=self.config.disk_max_pending_chunks + 64,
+                on_promoted=self._promoted if self.mover.verify else None)
         for job in plan.jobs:
             self.tier.submit(job)
+
+    def _promoted(self, op: TierOp) -> None:
+        """A slot filled from the tier (its bytes verified there) gets its slab checksums,
+        as a save's slot does, so the load that follows verifies it like any other."""
+        self.mover.store_sums(TransferOp(op.group, op.slot, [], key_seed(op.key)))
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""
@@ -184,11 +197,15 @@ class OffloadWorker:
 
     def _account(self, c: Completion, out: StepResult) -> None:
         rep = out.report
-        if not c.ok:
+        if c.corrupt:
+            self._count_corrupt(c, rep)
+        elif not c.ok:
             self.failures += 1
             if self.failures <= 20 or self.failures % 100 == 0:  # loud, but bounded
                 logger.warning("kvtier rank %d: %s job %d failed (%d so far): %s", self.rank,
                                c.kind, c.job_id, self.failures, c.error or "no reason given")
+        if c.ok:
+            rep.jobs.append((str(c.kind), c.nbytes, c.seconds))
         if c.kind == JobKind.SAVE:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes
@@ -197,6 +214,9 @@ class OffloadWorker:
             return
         req_id, blocks = self._load_reqs.pop(c.job_id)
         ok = c.ok
+        if c.kind == JobKind.VERIFY:
+            rep.verifies[c.job_id] = [1, 0] if ok else [0, 1]
+            return
         rep.loads[c.job_id] = [1, 0] if ok else [0, 1]
         rep.bytes_loaded += c.nbytes
         rep.load_seconds += c.seconds
@@ -205,6 +225,23 @@ class OffloadWorker:
         if not ok:
             out.failed_loads.add(req_id)
             out.failed_blocks.update(blocks)
+
+    def _count_corrupt(self, c: Completion, rep: WorkerReport) -> None:
+        """A job whose slots did not verify: counted, reported (the scheduler drops those
+        chunks) and logged in one line, the first 20 and then every 100th."""
+        self.checksum_failures += 1
+        rep.checksum_failures += 1
+        rep.corrupt[c.job_id] = [(m.slot_class, m.slot) for m in c.corrupt]
+        n = self.checksum_failures
+        if n <= 20 or n % 100 == 0:
+            req_id = self._load_reqs.get(c.job_id, ("?", []))[0]
+            what = "restoring" if c.kind == JobKind.LOAD else "verifying a hit of"
+            then = ("the load fails and vLLM recomputes" if c.kind == JobKind.LOAD
+                    else "the hit is not promised")
+            shown = "; ".join(str(m) for m in c.corrupt[:4])
+            more = f" and {len(c.corrupt) - 4} more" if len(c.corrupt) > 4 else ""
+            logger.warning("kvtier rank %d: checksum mismatch %s request %s: %s%s (%d so far); "
+                           "%s", self.rank, what, req_id, shown, more, n, then)
 
     def pending(self) -> int:
         tier = self.tier.pending() if self.tier is not None else 0

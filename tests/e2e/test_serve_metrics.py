@@ -26,7 +26,7 @@ from kvtier.bench.client import LoadShape, drive
 from kvtier.bench.serving import free_port
 from kvtier.bench.workloads import NoReuse, SharedPrefix
 from kvtier.planner import Decline
-from kvtier.vllm.counters import METRICS
+from kvtier.vllm.counters import HISTOGRAMS, METRICS
 
 pytestmark = pytest.mark.e2e
 
@@ -102,6 +102,8 @@ def test_metrics_carry_every_kvtier_series(server: tuple[str, str]) -> None:
     names = {k.partition("{")[0] for k in s}
     for m in METRICS:  # counters with their _total suffix, gauges and derived gauges
         assert m.full_name in names, m.name
+    for h in HISTOGRAMS:
+        assert f"{h.full_name}_bucket" in names, h.name
 
     # restores: round 2 of the shared prefixes came (mostly) from kvtier
     restored = _v(s, "vllm:kvtier_restored_tokens_total")
@@ -128,14 +130,37 @@ def test_metrics_carry_every_kvtier_series(server: tuple[str, str]) -> None:
     # every save, none is dropped
     assert _v(s, "vllm:kvtier_saves_dropped_total") == 0
 
-    # saves, bytes and throughput each way
+    # vLLM 0.32 counts kvtier's hits as host-memory hits, not external_unspecified
+    assert _v(s, "vllm:prompt_tokens_cached_by_source_total", source="host") == restored
+    assert _v(s, "vllm:prompt_tokens_cached_by_source_total",
+              source="external_unspecified") == 0
+
+    # saves, bytes and throughput each way; "save" is the deprecated alias of "store"
     assert _v(s, "vllm:kvtier_saves_total", outcome="committed") >= 6
-    for direction in ("save", "load"):
+    for direction in ("store", "save", "load"):
         assert _v(s, "vllm:kvtier_transfer_bytes_total", direction=direction) > 0
         assert _v(s, "vllm:kvtier_transfer_seconds_total", direction=direction) > 0
         assert _v(s, "vllm:kvtier_transfer_jobs_total", direction=direction) > 0
         assert 0 < _v(s, "vllm:kvtier_transfer_gbps", direction=direction) < 1000
+    for name in ("bytes", "seconds", "jobs"):
+        assert _v(s, f"vllm:kvtier_transfer_{name}_total", direction="save") == _v(
+            s, f"vllm:kvtier_transfer_{name}_total", direction="store")
     assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load") == restored * 2048
+
+    # histograms: one observation per job, lookup and parked load, summing to the counters
+    for direction in ("store", "load"):
+        jobs = _v(s, "vllm:kvtier_transfer_jobs_total", direction=direction)
+        for h in ("transfer_size_bytes", "transfer_time_seconds", "transfer_throughput_gbps"):
+            assert _v(s, f"vllm:kvtier_{h}_count", direction=direction, tier="dram") == jobs
+        assert _v(s, "vllm:kvtier_transfer_size_bytes_sum", direction=direction) == _v(
+            s, "vllm:kvtier_transfer_bytes_total", direction=direction)
+        assert _v(s, "vllm:kvtier_transfer_time_seconds_sum", direction=direction) == (
+            pytest.approx(_v(s, "vllm:kvtier_transfer_seconds_total", direction=direction)))
+    assert _v(s, "vllm:kvtier_lookup_seconds_count") >= _v(s, "vllm:kvtier_lookups_total")
+    assert 0 < _v(s, "vllm:kvtier_lookup_seconds_sum") < 60
+    assert _v(s, "vllm:kvtier_load_wait_seconds_count", tier="dram") == _v(
+        s, "vllm:kvtier_loads_total", outcome="started")
+    assert _v(s, "vllm:kvtier_load_wait_seconds_sum") > 0
 
     # capacity: evictions happened, occupancy is a share, chunk size is the default
     assert _v(s, "vllm:kvtier_evictions_total") > 0

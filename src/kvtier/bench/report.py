@@ -7,13 +7,14 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from kvtier.bench.metrics import Summary, ratios
+from kvtier.bench.metrics import RATIOS, Summary, ratios
 
 
 def _num(x: float | int | None, fmt: str = "{:,.0f}") -> str:
@@ -100,6 +101,39 @@ def ratio_lines(summaries: Sequence[Summary]) -> list[str]:
                    f"{_factor(r.factor)} {'lower' if r.lower else 'higher'}")
             out.append(f"{s.name} vs {base.name}: {r.label} {how}"
                        f"{'  <- LOSS' if r.loss else ''}")
+    return out
+
+
+def _way(q: float) -> str:
+    """``other / base`` of one measure as ``N.Nx lower|higher`` (``the same`` at 1)."""
+    if q == 1.0:
+        return "the same"
+    return f"{_factor(1 / q)} lower" if q < 1 else f"{_factor(q)} higher"
+
+
+def round_ratio_lines(rounds: Sequence[Sequence[Summary]]) -> list[str]:
+    """Over rounds of the same configurations (the first is the baseline): one line per
+    configuration and measure, ``NAME vs BASE over N rounds: MEASURE <median> (range <min> ..
+    <max>; rounds ...)``, ending in ``  <- LOSS`` when the median is worse than the
+    baseline's. A measure some round lacks is left out."""
+    if not rounds or len(rounds[0]) < 2:
+        return []
+    out = []
+    for i in range(1, len(rounds[0])):
+        base, other = rounds[0][0].name, rounds[0][i].name
+        for label, attr, higher_better in RATIOS:
+            qs = []
+            for rnd in rounds:
+                b, o = getattr(rnd[0], attr), getattr(rnd[i], attr)
+                if b and o:
+                    qs.append(o / b)
+            if len(qs) != len(rounds):
+                continue
+            med = statistics.median(qs)
+            loss = med < 1 if higher_better else med > 1
+            out.append(f"{other} vs {base} over {len(qs)} rounds: {label} {_way(med)} "
+                       f"(range {_way(min(qs))} .. {_way(max(qs))}; rounds "
+                       f"{', '.join(_way(q) for q in qs)}){'  <- LOSS' if loss else ''}")
     return out
 
 

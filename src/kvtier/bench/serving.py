@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import copy
 import json
 import os
 import shlex
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -28,7 +31,7 @@ import aiohttp
 from kvtier.bench import scrape
 from kvtier.bench.client import LoadShape, RequestResult, discover_model, drive, send
 from kvtier.bench.metrics import Summary, summarize
-from kvtier.bench.report import metadata, ratio_lines, table, write_json
+from kvtier.bench.report import metadata, ratio_lines, round_ratio_lines, table, write_json
 from kvtier.bench.workloads import (
     AgentSessions,
     NoReuse,
@@ -56,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start a server with `kvtier serve SERVE_ARGS`, run the workload, stop "
                    "it; repeat for each --compare, then print them side by side (the first is "
                    "the baseline). A free port is chosen unless SERVE_ARGS has --port")
+    t.add_argument("--rounds", type=int, default=1,
+                   help="with --compare: start every server once, then run the workload N "
+                   "times in alternation (A B A B ...), each round on new prompts (seed + "
+                   "round); prints each round and every ratio's median and range over the "
+                   "rounds (default %(default)s: one run each, each server stopped before "
+                   "the next starts)")
     t.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds to wait for a --compare server to start (default %(default)s)")
 
@@ -272,27 +281,57 @@ def prepare_compare(items: list[str]) -> list[Config]:
 
 
 def run_compare(args: argparse.Namespace, configs: list[Config], out_dir: str) -> list[Run]:
-    """Start each configuration's server, run the workload against it, stop it; in order."""
+    """One round: start each configuration's server, run the workload, stop it, in order.
+    ``args.rounds`` > 1: start every server, then run the rounds in alternation (each
+    configuration once per round, on the round's seed), then stop them all."""
+    if args.rounds <= 1:
+        runs = []
+        for cfg in configs:
+            with _serving(cfg, out_dir, args.server_timeout) as (url, waited):
+                runs.append(_measure(cfg, url, waited, args, 0))
+        return runs
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_serving(cfg, out_dir, args.server_timeout))
+                   for cfg in configs]
+        return [_measure(cfg, url, waited, args, r) for r in range(args.rounds)
+                for cfg, (url, waited) in zip(configs, servers)]
+
+
+@contextlib.contextmanager
+def _serving(cfg: Config, out_dir: str, timeout: float) -> Iterator[tuple[str, float]]:
+    """A running server of ``cfg``: (its URL, seconds it took to get ready); stopped after."""
     from kvtier.vllm import serve
 
-    runs = []
-    for cfg in configs:
-        name, sa = cfg.name, cfg.serve_args
-        url = serve.base_url(sa.vllm_args)
-        log_path = os.path.join(out_dir, f"server-{_slug(name)}.log")
-        print(f"[{name}] starting: kvtier serve {shlex.join(cfg.argv)}", file=sys.stderr,
-              flush=True)
-        with open(log_path, "wb") as log:
-            proc = serve.launch(sa, log)
-            try:
-                waited = serve.wait_ready(url, proc, args.server_timeout, log_path)
-                print(f"[{name}] ready after {waited:.0f} s at {url}", file=sys.stderr, flush=True)
-                run = asyncio.run(run_one(name, url, args, cfg.argv))
-                run.info["server_start_s"] = round(waited, 1)
-                runs.append(run)
-            finally:
-                serve.stop(proc)
-    return runs
+    url = serve.base_url(cfg.serve_args.vllm_args)
+    log_path = os.path.join(out_dir, f"server-{_slug(cfg.name)}.log")
+    print(f"[{cfg.name}] starting: kvtier serve {shlex.join(cfg.argv)}", file=sys.stderr,
+          flush=True)
+    with open(log_path, "wb") as log:
+        proc = serve.launch(cfg.serve_args, log)
+        try:
+            waited = serve.wait_ready(url, proc, timeout, log_path)
+            print(f"[{cfg.name}] ready after {waited:.0f} s at {url}", file=sys.stderr,
+                  flush=True)
+            yield url, waited
+        finally:
+            serve.stop(proc)
+
+
+def _measure(cfg: Config, url: str, waited: float, args: argparse.Namespace,
+             round_: int) -> Run:
+    """One configuration's run of round ``round_`` (seed ``args.seed + round_``)."""
+    run = asyncio.run(run_one(cfg.name, url, _with_seed(args, args.seed + round_), cfg.argv))
+    run.info["server_start_s"] = round(waited, 1)
+    if args.rounds > 1:
+        run.info["round"] = round_
+        run.info["seed"] = args.seed + round_
+    return run
+
+
+def _with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    out = copy.copy(args)
+    out.seed = seed
+    return out
 
 
 def _slug(name: str) -> str:
@@ -301,8 +340,18 @@ def _slug(name: str) -> str:
 
 def report(runs: list[Run], out_dir: str, args: argparse.Namespace) -> str:
     """Print and write the table, the ratio lines, results.json and results.png."""
-    summaries = [r.summary for r in runs]
-    text = "\n".join([table(summaries), *ratio_lines(summaries)])
+    rounds = _by_round(runs)
+    if len(rounds) == 1:
+        summaries = [r.summary for r in runs]
+        text = "\n".join([table(summaries), *ratio_lines(summaries)])
+    else:
+        parts = []
+        for i, rnd in enumerate(rounds):
+            summaries = [r.summary for r in rnd]
+            parts += [f"round {i + 1} of {len(rounds)} (seed {rnd[0].info.get('seed')})",
+                      table(summaries), *ratio_lines(summaries), ""]
+        parts += round_ratio_lines([[r.summary for r in rnd] for rnd in rounds])
+        text = "\n".join(parts)
     print(text, flush=True)
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write(text + "\n")
@@ -319,9 +368,19 @@ def report(runs: list[Run], out_dir: str, args: argparse.Namespace) -> str:
     return text
 
 
+def _by_round(runs: list[Run]) -> list[list[Run]]:
+    """The runs of each round, in order (one round when they carry none)."""
+    out: dict[int, list[Run]] = {}
+    for r in runs:
+        out.setdefault(int(r.info.get("round", 0)), []).append(r)
+    return [out[k] for k in sorted(out)]
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # validate everything before starting anything
         make_load(args, make_workload(args))
+        if args.rounds < 1 or (args.rounds > 1 and not args.compare):
+            raise ValueError("--rounds N wants N >= 1, and N > 1 only with --compare")
         configs = prepare_compare(args.compare) if args.compare else []
     except ValueError as e:
         print(f"kvtier bench: {e}", file=sys.stderr)

@@ -35,8 +35,17 @@ Ordering (docs/design.md §2.6, §2.9), with side streams and events only; the h
   overwrites. Block ids reach the kernel through a pinned ring (at most a few MiB).
 
 Every job is reported exactly once by :meth:`poll`: after all its copies completed, or as
-failed (bad block ids or slots, an exception while enqueuing, a CUDA error) once nothing of it
-can still be writing.
+failed (bad block ids or slots, an exception while enqueuing, a CUDA error, a checksum
+mismatch) once nothing of it can still be writing.
+
+Verified restores (``mover.verify``, :mod:`kvtier.gpu.verify`): on the kernel path the gather
+and the scatter compute the checksum of what they move (fused); on the DMA path a cache-only
+pass reads the blocks on the save-kernel stream concurrently with the save's DMA (its end is
+one of the save's read events, so a fence waits for it too) and after the load's DMA (``done``
+after it). The sums reach the host before ``done``; saves store them in the slab's table
+before they are reported, loads compare them and fail on a mismatch with
+:attr:`~kvtier.transfer.Completion.corrupt` set. A load has then written its blocks; the
+failed report makes vLLM recompute them before anything reads them.
 """
 
 from __future__ import annotations
@@ -61,9 +70,10 @@ from kvtier.gpu.dma import (
     split_at,
 )
 from kvtier.gpu.runtime import CudaRuntime, Runtime
+from kvtier.gpu.verify import BatchCheck, Rows, host_store
 from kvtier.log import get_logger
 from kvtier.protocol import SKIP, Job
-from kvtier.transfer import ChunkMover, Completion, TransferEngine
+from kvtier.transfer import ChunkMover, Completion, Mismatch, SlotVerifier, TransferEngine
 
 logger = get_logger("gpu.engine")
 
@@ -86,7 +96,8 @@ class _Group:
     slot_class: int
     table: SegmentTable
     path: str  # "dma" | "kernel"
-    tiles: Any = None  # kernels.TileTable for the kernel path
+    tiles: Any = None  # kernels.TileTable for the kernel path, and with checksums
+    host_check: bool = False  # checksums on the host (pieces not whole words)
 
     @property
     def chunk_bytes(self) -> int:
@@ -97,7 +108,7 @@ class _JobState:
     """One accepted job: its batches still running, and the events after which the blocks of
     a save are no longer read (for fences)."""
 
-    __slots__ = ("error", "kind", "nbytes", "read_events", "remaining", "seconds")
+    __slots__ = ("corrupt", "error", "kind", "nbytes", "read_events", "remaining", "seconds")
 
     def __init__(self, kind: str, nbytes: int) -> None:
         self.kind = kind
@@ -106,6 +117,7 @@ class _JobState:
         self.error = ""
         self.read_events: list[Any] | None = None
         self.seconds = 0.0
+        self.corrupt: list[Mismatch] = []
 
 
 @dataclass(slots=True)
@@ -117,6 +129,8 @@ class _Batch:
     t0: float
     error: str = ""
     warned: bool = False
+    check: BatchCheck | None = None  # the batch's device checksums
+    host_rows: Rows | None = None  # saves of a host-checked group: checksummed at the end
 
 
 @dataclass
@@ -126,6 +140,7 @@ class _GroupWork:
     ids: np.ndarray  # (n, bpc) int64
     slots: np.ndarray  # (n,) int64 slot numbers
     owners: list[int]  # job id of each op
+    digests: np.ndarray | None = None  # (n,) uint64 key digests (TransferOp.seed)
 
 
 class _Ring:
@@ -217,16 +232,19 @@ class CudaTransferEngine(TransferEngine):
         self.save_copy = runtime.stream()
         self.load_copy = runtime.stream()
         self.load_kernel = runtime.stream(high_priority=True)
+        self.verify_sums = mover.verify
         half = (int(config.gpu_staging_size) // 2) // STAGE_ALIGN * STAGE_ALIGN
         self._groups = [self._set_up_group(g, half, dma_min_piece) for g in
                         range(len(layout.groups))]
         need_stage = any(g.path == "kernel" for g in self._groups)
         self.stage = torch.empty(2 * half if need_stage else 0, dtype=torch.uint8,
                                  device=device)
+        self._no_stage = torch.empty(8, dtype=torch.uint8, device=device)  # cache-only passes
         self._stage_ring = {"save": _Ring(half, STAGE_ALIGN), "load": _Ring(half, STAGE_ALIGN)}
         self._stage_base = {"save": 0, "load": half}
         self._ids = ({"save": _IdUpload(runtime), "load": _IdUpload(runtime)}
-                     if need_stage else {})
+                     if need_stage or self.verify_sums else {})
+        self._verifier = SlotVerifier(mover)
         slab = mover.slab
         self._slab_base = slab.buffer.data_ptr()
         # where each cudaHostRegister of the slab starts: copies must not straddle two
@@ -260,10 +278,11 @@ class CudaTransferEngine(TransferEngine):
             path = "kernel" if table.min_piece < dma_min_piece else "dma"
         g = _Group(gid, bpc, group.num_blocks, self.mover.geometry.slot_classes[gid], table,
                    path)
-        if path == "kernel":
+        if path == "kernel" or self.mover.verify:
             from kvtier.gpu.kernels import TileTable
 
             g.tiles = TileTable.build(group, bpc, stage_align=STAGE_ALIGN)
+            g.host_check = self.mover.verify and g.tiles.vec < 8
         return g
 
     def paths(self) -> list[str]:
@@ -296,6 +315,10 @@ class CudaTransferEngine(TransferEngine):
             after.record(self.rt.current())
         self._submit("load", [job], after)
 
+    def verify(self, job: Job) -> None:
+        """On the host, on a thread of its own (the slots are host memory)."""
+        self._verifier.submit(job)
+
     def fence(self, job_ids: Sequence[int]) -> int:
         wanted = set(job_ids)
         if any(j.job_id in wanted for j in self._queued):
@@ -317,6 +340,7 @@ class CudaTransferEngine(TransferEngine):
     def poll(self) -> list[Completion]:
         self._flush()
         out, self._ready = self._ready, []
+        out += self._verifier.poll()
         for queue in self._inflight.values():
             while queue:
                 if not self._finish_batch(queue[0], out):
@@ -349,6 +373,8 @@ class CudaTransferEngine(TransferEngine):
             with contextlib.suppress(RuntimeError):
                 secs = b.start.elapsed_time(b.done) / 1e3
         jobs = self._jobs
+        if not err:
+            self._finish_checks(b)
         for job_id in b.job_ids:
             st = jobs.get(job_id)
             if st is None:
@@ -361,16 +387,35 @@ class CudaTransferEngine(TransferEngine):
             if st.remaining <= 0:
                 del jobs[job_id]
                 out.append(Completion(job_id, st.kind, not st.error,
-                                      0 if st.error else st.nbytes, st.seconds, st.error))
+                                      0 if st.error else st.nbytes, st.seconds, st.error,
+                                      st.corrupt))
         return True
 
+    def _finish_checks(self, b: _Batch) -> None:
+        """A completed batch's checksums: stored (saves) or compared (loads)."""
+        slab, shard = self.mover.slab, self.mover.shard
+        if b.host_rows is not None:
+            host_store(self.mover, b.host_rows)
+        if b.check is None:
+            return
+        if b.kind == "save":
+            b.check.finish_save(slab, shard)
+            return
+        for job_id, bad in b.check.finish_load(slab, shard).items():
+            st = self._jobs.get(job_id)
+            if st is not None:
+                st.corrupt += bad
+                st.error = "checksum mismatch: " + "; ".join(str(m) for m in st.corrupt)
+
     def pending(self) -> int:
-        return len(self._queued) + len(self._jobs) + len(self._ready)
+        return (len(self._queued) + len(self._jobs) + len(self._ready)
+                + self._verifier.pending())
 
     def drain(self) -> None:
         """Enqueue everything queued and wait on the host until it completed (tests, bench,
         shutdown); the completions stay for :meth:`poll`."""
         self._flush()
+        self._verifier.drain()
         for b in (*self._inflight["save"], *self._inflight["load"]):
             if b.done is not None:
                 with contextlib.suppress(RuntimeError):
@@ -378,14 +423,25 @@ class CudaTransferEngine(TransferEngine):
 
     def close(self) -> None:
         self.drain()
+        self._verifier.close()
         for queue in self._inflight.values():
             queue.clear()
         self._jobs.clear()
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def _fail_now(self, kind: str, job: Job, error: str) -> None:
+    def _fail_now(self, kind: str, job: Job, error: str,
+                  corrupt: list[Mismatch] | None = None) -> None:
         self._jobs.pop(job.job_id, None)
-        self._ready.append(Completion(job.job_id, kind, False, 0, 0.0, error))
+        self._ready.append(Completion(job.job_id, kind, False, 0, 0.0, error, corrupt or []))
+
+    def _host_checked(self, job: Job) -> bool:
+        """Loads touching host-checked groups: verified here, before anything is enqueued
+        (False: the job failed)."""
+        ops = [op for op in job.ops if self._groups[op.group].host_check]
+        bad = self.mover.check(ops) if ops else []
+        if bad:
+            self._fail_now("load", job, "checksum mismatch: " + "; ".join(map(str, bad)), bad)
+        return not bad
 
     def _flush(self) -> None:
         if not self._queued:
@@ -402,6 +458,7 @@ class CudaTransferEngine(TransferEngine):
         ids: dict[int, list[Sequence[int]]] = {}
         slots: dict[int, list[int]] = {}
         owners: dict[int, list[int]] = {}
+        digests: dict[int, list[int]] = {}
         groups, states, load = self._groups, self._jobs, kind == "load"
         n_groups = len(groups)
         for job in jobs:
@@ -431,20 +488,24 @@ class CudaTransferEngine(TransferEngine):
             if not ops:  # nothing to move
                 self._ready.append(Completion(job_id, kind, True, 0, 0.0))
                 continue
+            if load and self.verify_sums and not self._host_checked(job):
+                continue
             states[job_id] = _JobState(kind, nbytes)
             for op in ops:
                 gid = op.group
                 if gid not in ids:
-                    ids[gid], slots[gid], owners[gid] = [], [], []
+                    ids[gid], slots[gid], owners[gid], digests[gid] = [], [], [], []
                 ids[gid].append(op.block_ids)
                 slots[gid].append(op.slot)
                 owners[gid].append(job_id)
+                digests[gid].append(op.seed)
         work: dict[int, _GroupWork] = {}
         bad: dict[int, str] = {}
         for gid in ids:
             g = groups[gid]
             w = _GroupWork(np.array(ids[gid], dtype=np.int64).reshape(-1, g.bpc),
-                           np.array(slots[gid], dtype=np.int64), owners[gid])
+                           np.array(slots[gid], dtype=np.int64), owners[gid],
+                           np.array(digests[gid], dtype=np.uint64))
             for i, why in self._check(kind, g, w):
                 bad.setdefault(w.owners[i], why)
             work[gid] = w
@@ -460,6 +521,8 @@ class CudaTransferEngine(TransferEngine):
         for w in work.values():
             keep = np.array([o not in bad for o in w.owners], dtype=bool)
             w.ids, w.slots = w.ids[keep], w.slots[keep]
+            if w.digests is not None:
+                w.digests = w.digests[keep]
             w.owners = [o for o in w.owners if o not in bad]
 
     def _check(self, kind: str, g: _Group, w: _GroupWork) -> list[tuple[int, str]]:
@@ -493,30 +556,32 @@ class CudaTransferEngine(TransferEngine):
             if g.path == "kernel":
                 per = min(per, max(1, self._stage_ring[kind].size // 2 // g.chunk_bytes))
             for a in range(0, len(w.owners), per):
+                rows = None
+                if self.verify_sums:
+                    assert w.digests is not None
+                    rows = Rows(gid, g.slot_class, w.slots[a:a + per], w.digests[a:a + per],
+                                w.ids[a:a + per], w.owners[a:a + per])
                 self._batch(kind, g, w.ids[a:a + per], addrs[a:a + per],
-                            list(dict.fromkeys(w.owners[a:a + per])), after)
+                            list(dict.fromkeys(w.owners[a:a + per])), after, rows)
 
     def _batch(self, kind: str, g: _Group, ids: np.ndarray, slots: np.ndarray,
-               job_ids: list[int], after: Any) -> None:
+               job_ids: list[int], after: Any, rows: Rows | None = None) -> None:
         rt = self.rt
+        check = (BatchCheck(rt, g.tiles, rows) if rows is not None and not g.host_check
+                 else None)
         t0 = time.perf_counter()
         start, done = rt.event(timing=True), rt.event(timing=True)
-        read: Any = None
         error = ""
         copy = self.save_copy if kind == "save" else self.load_copy
         kern = self.save_kernel if kind == "save" else self.load_kernel
+        reads: list[Any] = []
         try:
             if g.path == "dma":
-                copy.wait_event(after)
-                start.record(copy)
-                self._copy(piece_descriptors(g.table, ids, slots, kind == "save"),
-                           kind == "save", copy)
-                done.record(copy)
-                read = done
+                reads = self._dma(kind, g, ids, slots, after, start, done, check)
             elif kind == "save":
-                read = self._save_staged(g, ids, slots, after, start, done)
+                reads = [self._save_staged(g, ids, slots, after, start, done, check)]
             else:
-                self._load_staged(g, ids, slots, after, start, done)
+                self._load_staged(g, ids, slots, after, start, done, check)
         except Exception as e:  # enqueued work of this batch completes before the report
             error = f"{type(e).__name__}: {e}"
             try:
@@ -524,18 +589,20 @@ class CudaTransferEngine(TransferEngine):
                 done.record(copy)
             except Exception:  # the context is gone: nothing of it can still be running
                 done = None
-            read = done
+            reads = [done] if done is not None else []
         jobs = self._jobs
-        track = read is not None and kind == "save"
+        track = bool(reads) and kind == "save"
         for job_id in job_ids:
             st = jobs[job_id]
             st.remaining += 1
             if track:
                 if st.read_events is None:
-                    st.read_events = [read]
+                    st.read_events = list(reads)
                 else:
-                    st.read_events.append(read)
-        self._inflight[kind].append(_Batch(kind, job_ids, done, start, t0, error))
+                    st.read_events += reads
+        host_rows = rows if rows is not None and g.host_check and kind == "save" else None
+        self._inflight[kind].append(_Batch(kind, job_ids, done, start, t0, error, False,
+                                           check, host_rows))
         if self.trace is not None:
             self.trace.append({"kind": kind, "path": g.path, "chunks": len(slots),
                                "bytes": len(slots) * g.chunk_bytes, "start": start,
@@ -545,8 +612,42 @@ class CudaTransferEngine(TransferEngine):
         """Merge adjacent pieces, never across a host-memory registration, and enqueue."""
         self.rt.copy(split_at(merge_adjacent(desc), to_host, self._host_bounds), stream)
 
+    def _dma(self, kind: str, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
+             start: Any, done: Any, check: BatchCheck | None) -> list[Any]:
+        """One DMA batch; with ``check`` the cache-only checksum pass on the kernel stream:
+        beside the DMA for a save (both only read the blocks), after it for a load. Returns
+        the events after which a save no longer reads its blocks."""
+        rt = self.rt
+        save = kind == "save"
+        copy = self.save_copy if save else self.load_copy
+        kern = self.save_kernel if save else self.load_kernel
+        copy.wait_event(after)
+        start.record(copy)
+        self._copy(piece_descriptors(g.table, ids, slots, save), save, copy)
+        if check is None:
+            done.record(copy)
+            return [done]
+        moved = rt.event()
+        moved.record(copy)
+        summed = rt.event()
+        with rt.use(kern):
+            kern.wait_event(after if save else moved)
+            dev_ids = self._ids[kind](ids)
+            g.tiles.launch(self._no_stage, 0, dev_ids, False, self.max_programs,
+                           self.num_warps, sums=check.part, move=False)
+            summed.record(kern)
+            check.to_host()
+            if not save:
+                done.record(kern)
+                return []
+            on_host = rt.event()
+            on_host.record(kern)
+        copy.wait_event(on_host)
+        done.record(copy)
+        return [moved, summed]
+
     def _save_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
-                     start: Any, done: Any) -> Any:
+                     start: Any, done: Any, check: BatchCheck | None = None) -> Any:
         rt = self.rt
         n = len(slots) * g.chunk_bytes
         ring = self._stage_ring["save"]
@@ -560,9 +661,14 @@ class CudaTransferEngine(TransferEngine):
             start.record(kern)
             dev_ids = self._ids["save"](ids)
             g.tiles.launch(self.stage, self._stage_base["save"] + off, dev_ids, True,
-                           self.max_programs, self.num_warps)
+                           self.max_programs, self.num_warps,
+                           sums=None if check is None else check.part)
             read.record(kern)
-        copy.wait_event(read)
+            if check is not None:
+                check.to_host()
+            summed = rt.event()
+            summed.record(kern)
+        copy.wait_event(summed)
         stage_addr = self.stage.data_ptr() + self._stage_base["save"] + off
         self._copy(chunk_descriptors(stage_addr, g.chunk_bytes, slots, True), True, copy)
         done.record(copy)
@@ -570,7 +676,7 @@ class CudaTransferEngine(TransferEngine):
         return read
 
     def _load_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
-                     start: Any, done: Any) -> None:
+                     start: Any, done: Any, check: BatchCheck | None = None) -> None:
         rt = self.rt
         n = len(slots) * g.chunk_bytes
         ring = self._stage_ring["load"]
@@ -589,6 +695,9 @@ class CudaTransferEngine(TransferEngine):
             kern.wait_event(landed)
             dev_ids = self._ids["load"](ids)
             g.tiles.launch(self.stage, self._stage_base["load"] + off, dev_ids, False,
-                           self.max_programs, self.num_warps)
+                           self.max_programs, self.num_warps,
+                           sums=None if check is None else check.part)
+            if check is not None:
+                check.to_host()
             done.record(kern)
         ring.give(off, n, done)

@@ -6,7 +6,7 @@ configures reaches this module.
 that interface, so it works around the CPU engine and the GPU engine alike. Every switch is
 a plain attribute, off by default, that a test may change between steps:
 
-- ``raise_in_jobs``: the next that many jobs submitted fail as an exception inside a copy
+- ``raise_in_jobs``: the next that many jobs submitted (saves, loads, verifies) fail as an exception inside a copy
   would: not run, reported as failed completions with the exception's text.
 - ``skip_load_chunk``: in every load, the op of this KV chunk (index among the job's non-state
   ops) is not copied while the job is reported successful: a silently partial restore.
@@ -66,6 +66,9 @@ class FaultyEngine(TransferEngine):
     def load(self, job: Job) -> None:
         self._submit(JobKind.LOAD, job)
 
+    def verify(self, job: Job) -> None:
+        self._submit(JobKind.VERIFY, job)
+
     def _submit(self, kind: JobKind, job: Job) -> None:
         if self.raise_in_jobs > 0:
             self.raise_in_jobs -= 1
@@ -102,6 +105,8 @@ class FaultyEngine(TransferEngine):
     def _start(self, kind: JobKind, job: Job) -> None:
         if kind is JobKind.SAVE:
             self.inner.save(job)
+        elif kind is JobKind.VERIFY:
+            self.inner.verify(job)
         else:
             self.inner.load(job)
 

@@ -11,7 +11,8 @@ made independently of kvtier's own bookkeeping. Never used in production.
 - Worker side: the tensors vLLM registered, untouched, so a check can read a block through
   vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern; and its transfer
   engine wrapped in a :class:`~kvtier.testing.faults.FaultyEngine` (every fault off until a
-  test switches one on).
+  test switches one on) around a :class:`~kvtier.testing.controls.MaskedLoads` (the restore
+  check's byte-level negative controls, off until a test sets a mask).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from kvtier.layout import GroupKind
+from kvtier.testing.controls import MaskedLoads, masked_factory
 from kvtier.testing.faults import FaultyEngine, faulty_factory
 from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm.connector import KvtierConnector
@@ -86,7 +88,7 @@ class ProbeConnector(KvtierConnector):
 
     def _engine_factory(self, device_is_cuda: bool
                         ) -> Callable[[ChunkMover], TransferEngine] | None:
-        return faulty_factory(super()._engine_factory(device_is_cuda))
+        return faulty_factory(masked_factory(super()._engine_factory(device_is_cuda)))
 
     @property
     def faults(self) -> FaultyEngine:
@@ -94,6 +96,13 @@ class ProbeConnector(KvtierConnector):
         worker = self.worker_side.worker
         assert worker is not None and isinstance(worker.engine, FaultyEngine)
         return worker.engine
+
+    @property
+    def load_controls(self) -> MaskedLoads:
+        """The byte-level negative controls of this worker's loads."""
+        inner = self.faults.inner
+        assert isinstance(inner, MaskedLoads)
+        return inner
 
     # -- worker-side checks, through vLLM's tensors only -----------------------------------
     def _tensors(self, value: Any) -> list[torch.Tensor]:

@@ -53,7 +53,9 @@ class Generated:
 
 def cold_reference(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[Generated]:
     """Run D: generate ``prompts`` on ``llm``, an engine with the same weights as the checked
-    one and prefix caching off (refused otherwise: a hit would not be a recompute). Dummy
+    one and prefix caching off (refused otherwise: a hit would not be a recompute), as one
+    batch: pass the same prompt list the check gets, since vLLM is not batch-invariant (other
+    co-scheduled prefills change the last bits of logprobs; seen on 0.32's CPU build). Dummy
     weights must be re-drawn first, as for the checked engine
     (:func:`kvtier.testing.restore.sharpen_dummy_weights` works on any LLM)."""
     config = llm.llm_engine.vllm_config

@@ -243,7 +243,7 @@ class SeedModel:
 
     name: str
     architecture: str
-    write: Callable[[str], str]
+    write: Callable[..., str]  # (path, *, max_len=...) -> the folder
     engine_args: dict[str, Any] = field(default_factory=dict)
     needs: str = ""
 

@@ -181,11 +181,15 @@ class TierRunner:
 
     ``moves``: whether this rank moves bytes (False for ranks > 0 of a replicated layout: they
     report every job done without I/O, like their saves). ``max_jobs`` bounds the queue.
+    ``on_promoted``: called on the I/O thread for every op whose slot a promotion filled
+    with verified bytes (the worker stores the slot's slab checksums there).
     """
 
     def __init__(self, store: ChunkStore, slot_view: SlotView, moves: bool = True,
-                 max_jobs: int = 1024, name: str = "disk") -> None:
+                 max_jobs: int = 1024, name: str = "disk",
+                 on_promoted: Callable[[TierOp], None] | None = None) -> None:
         self.store = store
+        self.on_promoted = on_promoted
         self.slot_view = slot_view
         self.moves = moves
         self.max_jobs = max_jobs
@@ -274,7 +278,10 @@ class TierRunner:
         view = self.slot_view(op.group, op.slot)
         if kind is TierJobKind.DEMOTE:
             return self.store.put(op.group, op.key, op.parent, view)
-        return self.store.get(op.group, op.key, op.parent, view)
+        n = self.store.get(op.group, op.key, op.parent, view)
+        if self.on_promoted is not None:
+            self.on_promoted(op)
+        return n
 
     def _log_corrupt(self, op: TierOp, e: Exception) -> None:
         n = self.corrupt_reads

@@ -17,9 +17,16 @@ try:  # vLLM 0.32: failures per request
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
     HAS_FAILED_RECVING = True
-except ImportError:  # vLLM 0.25.1: failures per block, one KV-cache group only
+except ImportError:  # vLLM 0.25.1: failures per block, which only one KV-cache group takes
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
     HAS_FAILED_RECVING = False
+
+try:  # vLLM 0.32: cached prompt tokens by tier (vllm:prompt_tokens_cached_by_source)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HOST_CACHE_HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # vLLM 0.25.1: no tiers in its stats
+    HOST_CACHE_HIT_SOURCE = None
 
 try:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -27,10 +34,36 @@ except ImportError:  # pragma: no cover
     generate_block_hash_extra_keys = None  # type: ignore[assignment]
 
 
-def loads_need_failed_recving(num_groups: int) -> bool:
-    """Whether loads must stay off for a model with ``num_groups`` kvtier groups: 0.25.1
-    reports load failures per block, which cannot be mapped with several groups."""
+def load_failures_per_block(num_engine_groups: int) -> bool:
+    """Whether vLLM takes load failures per block (``invalid_block_ids``): 0.25.1 with one
+    KV-cache group. 0.32 takes them per request (``failed_recving``)."""
+    return not HAS_FAILED_RECVING and num_engine_groups == 1
+
+
+def promised_loads_must_not_fail(num_engine_groups: int) -> bool:
+    """Whether a load, once promised, has no report path: 0.25.1 with several KV-cache
+    groups, whose per-block report unpacks one group (``(req_block_ids,) = ...``,
+    ``v1/core/sched/scheduler.py:2546``) and kills the engine, whoever owns the block.
+    kvtier then re-issues failed copies and recovers or stops in ``update_connector_output``
+    (docs/notes/hybrid-loads-025.md)."""
+    return not HAS_FAILED_RECVING and num_engine_groups > 1
+
+
+def promises_are_final(num_groups: int) -> bool:
+    """Whether a load cannot fail once kvtier promised its tokens: 0.25.1 with several
+    KV-cache groups has no safe way to report it (docs/notes/hybrid-loads-025.md, option
+    (b)), so there hits are prepared (verified) before the promise (:mod:`kvtier.prepare`)."""
     return num_groups > 1 and not HAS_FAILED_RECVING
+
+
+def local_hit_is_longest_group_hit() -> bool:
+    """Whether vLLM tells the connector of a mamba hybrid the longest of its groups' local
+    hits rather than their common hit: 0.25.1, for any connector (``sched.py:687-715``);
+    0.32 only for connectors that opt in (``supports_divergent_local_hybrid_hits``), which
+    kvtier does not (docs/vllm-api.md §0 item 8)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return not hasattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
 
 
 def parked_requests_drained_first() -> bool:
@@ -105,10 +138,12 @@ def transfer_results(finished_recving: set[str], failed_recving: set[str]) -> An
                                       failed_recving=failed_recving)
 
 
-def failed_blocks_to_report(failed_blocks: set[int]) -> set[int]:
-    """``get_block_ids_with_load_errors``: 0.25.1 takes failures per block; 0.32 takes them
-    per request through ``failed_recving`` (then no block is reported here)."""
-    return set() if HAS_FAILED_RECVING else set(failed_blocks)
+def failed_blocks_to_report(failed_blocks: set[int], num_engine_groups: int) -> set[int]:
+    """``get_block_ids_with_load_errors``: the failed blocks where vLLM takes failures per
+    block (0.25.1, one group); none on 0.32 (``failed_recving`` carries them) and none on
+    0.25.1 with several groups (a report there kills the engine, see
+    :func:`promised_loads_must_not_fail`)."""
+    return set(failed_blocks) if load_failures_per_block(num_engine_groups) else set()
 
 
 def rank() -> int:

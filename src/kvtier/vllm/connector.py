@@ -23,6 +23,7 @@ a scheduler hook only on the scheduler's connector and a worker hook only on a w
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,13 +33,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvtier.vllm import compat
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.setup import set_up
 from kvtier.vllm.stats import KvtierStats
+from kvtier.vllm.timings import SchedulerTimings
 from kvtier.vllm.worker_side import EngineFactory, WorkerSide, transfer_engine_factory
 
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    # 0.32: kvtier's hits are host-memory hits in vllm:prompt_tokens_cached_by_source (one
+    # tier today; with lower tiers, per request through get_external_cache_hit_sources)
+    if compat.HOST_CACHE_HIT_SOURCE is not None:
+        _cache_hit_source = compat.HOST_CACHE_HIT_SOURCE
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -49,6 +57,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side = SchedulerSide(self.setup)
         self.worker_side = WorkerSide(self.setup, vllm_config, kv_cache_config,
                                       self._engine_factory)
+        self.timings = SchedulerTimings()
 
     def _engine_factory(self, device_is_cuda: bool) -> EngineFactory | None:
         """The transfer engine factory of this worker (None: the worker's CPU engine). The
@@ -61,16 +70,25 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: nothing must be handed off before freeing
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.scheduler_side.bind_block_pool(gpu_block_pool)
+
     def on_new_request(self, request: Any, **kwargs: Any) -> None:
         self.scheduler_side.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    **kwargs: Any) -> tuple[int | None, bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        start = time.perf_counter()
+        out = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        if out[0] is not None and not self.setup.disabled_reason:
+            self.timings.lookup(time.perf_counter() - start)
+        return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
                                  **kwargs: Any) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens > 0:
+            self.timings.load_started(request.request_id)
 
     def get_loaded_kv_cache_group_ids(self, request: Any, **kwargs: Any) -> tuple[int, ...]:
         return self.scheduler_side.get_loaded_kv_cache_group_ids()
@@ -80,6 +98,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any, **kwargs: Any) -> None:
         self.scheduler_side.update_connector_output(connector_output)
+        self.timings.loads_ended(getattr(connector_output, "finished_recving", None) or ())
 
     def request_finished(self, request: Any, block_ids: Any, **kwargs: Any
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -87,6 +106,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: Any, **kwargs: Any
                                     ) -> tuple[bool, dict[str, Any] | None]:
+        self.timings.forget(request.request_id)
         return self.scheduler_side.request_finished(request)
 
     def has_pending_push_work(self) -> bool:
@@ -138,8 +158,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- both: stats ------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KvtierStats | None:
-        side = self.scheduler_side if self.role == KVConnectorRole.SCHEDULER else self.worker_side
-        data = side.stats()
+        if self.role == KVConnectorRole.SCHEDULER:
+            data = {**self.scheduler_side.stats(), **self.timings.take()}
+        else:
+            data = self.worker_side.stats()
         return KvtierStats(data=data) if data else None
 
     @classmethod

@@ -14,6 +14,15 @@ come from:
 A counter's series are stats keys (``series``), or, for a family keyed by a reason, every
 ``<prefix><reason>`` key (``reasons``). Gauge keys start with ``gauge_`` (levels, not deltas).
 Stats keys and metric names never change: dashboards and ``kvtier bench`` read them.
+
+A :class:`Histogram` is one Prometheus histogram ``vllm:kvtier_<name>``; its stats keys start
+with ``obs_`` and carry a list of observations (one per transfer job, lookup or load), which
+vLLM concatenates over ranks and steps.
+
+The transfer direction is named as vLLM's offloading connector and LMCache name it: ``store``
+(device to host) and ``load``. The series that said ``direction="save"`` before 0.2 are kept,
+for one release, as deprecated aliases (:data:`DEPRECATED_LABELS`): the same values under the
+old label, so a sum over ``direction`` must select ``direction=~"store|load"``.
 """
 
 from __future__ import annotations
@@ -25,10 +34,15 @@ from typing import Any
 from kvtier.planner import Decline
 from kvtier.protocol import JobKind, SaveDrop
 
-COUNTER, GAUGE = "counter", "gauge"
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 SCHEDULER, WORKER, DERIVED = "scheduler", "worker", "derived"
 GAUGE_PREFIX = "gauge_"
+OBS_PREFIX = "obs_"
 PREFIX = "vllm:kvtier_"
+STORE, LOAD = "store", "load"
+TIER = "dram"  # the one tier today; the histograms carry it so lower tiers add series only
+DEPRECATED_LABELS: dict[tuple[str, str], str] = {("direction", STORE): "save"}
+"""(label, value) -> the old value also exported, with the same numbers, until 0.3."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +77,8 @@ def _one(key: str, read: Callable[[Any], Any]) -> tuple[Series, ...]:
 
 def _per_direction(save_key: str, load_key: str, read: Callable[[Any, JobKind], Any]
                    ) -> tuple[Series, ...]:
-    return (Series(save_key, JobKind.SAVE.value, lambda r: read(r, JobKind.SAVE)),
-            Series(load_key, JobKind.LOAD.value, lambda r: read(r, JobKind.LOAD)))
+    return (Series(save_key, STORE, lambda r: read(r, JobKind.SAVE)),
+            Series(load_key, LOAD, lambda r: read(r, JobKind.LOAD)))
 
 
 def _gbps(data: dict[str, Any], nbytes: str, seconds: str) -> float | None:
@@ -130,7 +144,7 @@ METRICS: tuple[Metric, ...] = (
            series=_one("evictions", lambda s: s.index.evictions)),
     Metric("transfer_bytes", COUNTER, WORKER,
            "Bytes moved between the KV cache and the DRAM tier, per direction "
-           "(save: device to host).", label="direction",
+           "(store: device to host).", label="direction",
            series=_per_direction("bytes_saved", "bytes_loaded",
                                  lambda r, k: r.bytes_saved if k is JobKind.SAVE
                                  else r.bytes_loaded)),
@@ -146,14 +160,30 @@ METRICS: tuple[Metric, ...] = (
            series=_per_direction("save_jobs", "load_jobs",
                                  lambda r, k: len(r.saves if k is JobKind.SAVE else r.loads))),
     Metric("transfer_gbps", GAUGE, DERIVED,
-           "GB/s of the latest step that moved bytes, per direction.", label="direction",
-           series=(Series("", JobKind.SAVE.value,
+           "Deprecated (removed in 0.3): GB/s of the latest step that moved bytes, per "
+           "direction; use the transfer_throughput_gbps histogram or "
+           "rate(transfer_bytes_total) / rate(transfer_seconds_total).", label="direction",
+           series=(Series("", STORE,
                           lambda d: _gbps(d, "bytes_saved", "save_seconds")),
-                   Series("", JobKind.LOAD.value,
+                   Series("", LOAD,
                           lambda d: _gbps(d, "bytes_loaded", "load_seconds")))),
     Metric("transfer_failures", COUNTER, WORKER,
            "Worker transfer jobs that failed (the load is recomputed, the save dropped).",
            series=_one("transfer_failures", _failures)),
+    Metric("checksum_failures", COUNTER, WORKER,
+           "Loads (and pre-promise verifications) whose stored bytes did not match their "
+           "checksum, per rank: the load failed and vLLM recomputed, the chunks were dropped.",
+           series=_one("checksum_failures", lambda r: r.checksum_failures)),
+    Metric("corrupt_chunks", COUNTER, SCHEDULER,
+           "Stored chunks dropped from the DRAM tier because their bytes failed verification "
+           "(their descendants leave with them).",
+           series=_one("corrupt_chunks", lambda s: s.stats.corrupt_chunks)),
+    Metric("prepares", COUNTER, SCHEDULER,
+           "Hits verified on the workers before they were promised (where a promised load "
+           "cannot fail: vLLM 0.25.1 with several KV-cache groups), and the lookups deferred "
+           "meanwhile.", label="what", series=(
+               Series("prepares", "jobs", lambda s: s.stats.prepares),
+               Series("prepare_deferrals", "deferrals", lambda s: s.stats.prepare_deferrals))),
     Metric("fences", COUNTER, SCHEDULER,
            "Saves fenced because their source blocks were reallocated or their request "
            "preempted.", series=_one("fences", lambda s: s.stats.fences)),
@@ -232,6 +262,81 @@ METRICS: tuple[Metric, ...] = (
            series=_one("gauge_disk_chunks_total", _disk_total)),
 )
 
+@dataclass(frozen=True)
+class Histogram:
+    """One histogram ``vllm:kvtier_<name>``: each series' stats key (``obs_...``) carries a
+    list of observations; ``fixed`` labels are the same on every series (the tier)."""
+
+    name: str
+    source: str  # WORKER | SCHEDULER
+    doc: str
+    buckets: tuple[float, ...]
+    label: str = ""
+    series: tuple[Series, ...] = ()
+    fixed: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        return PREFIX + self.name
+
+    def labels(self, series: Series) -> dict[str, str]:
+        return {**({self.label: series.label} if self.label else {}), **dict(self.fixed)}
+
+
+def obs_key(what: str, direction: str = "") -> str:
+    """The stats key of one histogram series: ``obs_<direction>_<what>`` (or ``obs_<what>``)."""
+    return OBS_PREFIX + (f"{direction}_" if direction else "") + what
+
+
+def _directions(what: str) -> tuple[Series, ...]:
+    return (Series(obs_key(what, STORE), STORE), Series(obs_key(what, LOAD), LOAD))
+
+
+SIZE_BUCKETS = tuple(float(2**16 * 4**i) for i in range(10))  # 64 KiB .. 16 GiB
+TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                2.5, 5.0, 10.0)
+GBPS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 100.0,
+                150.0)
+LOOKUP_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+HISTOGRAMS: tuple[Histogram, ...] = (
+    Histogram("transfer_size_bytes", WORKER,
+              "Bytes of one transfer job on one rank, per direction (a store job is one "
+              "chunk, a load job one request's restored chunks).",
+              SIZE_BUCKETS, "direction", _directions("bytes"), (("tier", TIER),)),
+    Histogram("transfer_time_seconds", WORKER,
+              "Seconds one transfer job took on one rank, per direction (time to store, "
+              "time to retrieve).", TIME_BUCKETS, "direction", _directions("seconds"),
+              (("tier", TIER),)),
+    Histogram("transfer_throughput_gbps", WORKER,
+              "GB/s of one transfer job on one rank (its bytes / its seconds), per direction.",
+              GBPS_BUCKETS, "direction", _directions("gbps"), (("tier", TIER),)),
+    Histogram("lookup_seconds", SCHEDULER,
+              "Seconds one lookup of a waiting request in kvtier's index took (the "
+              "scheduler's get_num_new_matched_tokens call).", LOOKUP_BUCKETS,
+              series=(Series(obs_key("lookup_seconds")),)),
+    Histogram("load_wait_seconds", SCHEDULER,
+              "Seconds a request waited parked for its load: from vLLM allocating its blocks "
+              "to the load's end reported by every rank (ok or failed).", TIME_BUCKETS,
+              series=(Series(obs_key("load_wait_seconds")),), fixed=(("tier", TIER),)),
+)
+HIST_BY_KEY: dict[str, tuple[Histogram, Series]] = {
+    s.key: (h, s) for h in HISTOGRAMS for s in h.series}
+
+
+def worker_observations(report: Any) -> dict[str, list[float]]:
+    """One step's per-job observations, from the ``jobs`` of a
+    :class:`~kvtier.protocol.WorkerReport` (jobs that finished ok)."""
+    out: dict[str, list[float]] = {}
+    for kind, nbytes, seconds in report.jobs:
+        direction = STORE if kind == JobKind.SAVE.value else LOAD
+        out.setdefault(obs_key("bytes", direction), []).append(nbytes)
+        out.setdefault(obs_key("seconds", direction), []).append(seconds)
+        if nbytes and seconds > 0:
+            out.setdefault(obs_key("gbps", direction), []).append(nbytes / seconds / 1e9)
+    return out
+
+
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 BY_KEY: dict[str, tuple[Metric, Series]] = {
     s.key: (m, s) for m in METRICS if not m.reasons for s in m.series if s.key}
@@ -282,12 +387,34 @@ def render_markdown() -> str:
             labels = f"`{m.label}`: " + ", ".join(f"`{r}`" for r in m.reasons)
             keys = f"`{m.series[0].key}<{m.label}>`"
         else:
-            labels = (f"`{m.label}`: " + ", ".join(f"`{s.label}`" for s in m.series)
-                      if m.label else "")
+            labels = (f"`{m.label}`: " + ", ".join(_label_doc(m.label, s.label)
+                                                   for s in m.series) if m.label else "")
             keys = ", ".join(f"`{s.key}`" for s in m.series if s.key) or "(computed)"
         rows.append(f"| `{m.full_name}` | {m.type} | {labels} | {keys} | {m.source} "
                     f"| {m.doc} |")
+    for h in HISTOGRAMS:
+        labels = "; ".join(
+            [*([f"`{h.label}`: " + ", ".join(f"`{s.label}`" for s in h.series)]
+               if h.label else []), *(f"`{k}`: `{v}`" for k, v in h.fixed)])
+        keys = ", ".join(f"`{s.key}`" for s in h.series)
+        bounds = ", ".join(_bound(b, h.name.endswith("_bytes")) for b in h.buckets)
+        rows.append(f"| `{h.full_name}` | histogram | {labels} | {keys} | {h.source} "
+                    f"| {h.doc} Buckets: {bounds}. |")
     return "\n".join(rows) + "\n"
+
+
+def _label_doc(label: str, value: str) -> str:
+    old = DEPRECATED_LABELS.get((label, value))
+    return f"`{value}`" + (f" (and `{old}`, its deprecated alias)" if old else "")
+
+
+def _bound(b: float, in_bytes: bool) -> str:
+    if not in_bytes:
+        return f"{b:g}"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:g} {unit}"
+    return f"{b:g} B"
 
 
 if __name__ == "__main__":  # python -m kvtier.vllm.counters > the generated table

@@ -31,6 +31,8 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     report: WorkerReport = field(default_factory=WorkerReport)
     geometries: list[Geometry] = field(default_factory=list)  # the handshake, per rank
     ranks: int = 1
+    load_errors: dict[int, str] = field(default_factory=dict)  # job id -> why it failed
+
 
     def aggregate(self, other: Any) -> KvtierWorkerMetadata:
         if not isinstance(other, KvtierWorkerMetadata):
@@ -39,5 +41,6 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
             report=WorkerReport().add(self.report).add(other.report),
             geometries=self.geometries + other.geometries,
             ranks=self.ranks + other.ranks,
+            load_errors={**self.load_errors, **other.load_errors},
         )
         return merged

@@ -10,9 +10,15 @@ scheduler half's counters). Contract:
   fixed labels); ``declined_<reason>`` and ``saves_dropped_<reason>`` map to a ``reason``
   label. A key the table does not know still appears, as ``vllm:kvtier_<key>_total`` (or
   ``vllm:kvtier_<key>`` for a gauge), so new stats are never silently lost.
-- ``vllm:kvtier_transfer_gbps{direction}`` is the throughput of the latest step that moved
-  bytes in that direction (bytes / seconds the transfers took); for an average over time use
-  ``rate(vllm:kvtier_transfer_bytes_total[1m]) / rate(vllm:kvtier_transfer_seconds_total[1m])``.
+- ``obs_*`` keys are lists of observations, each observed once into its histogram
+  (:data:`kvtier.vllm.counters.HISTOGRAMS`); an ``obs_`` key the table does not know is
+  skipped.
+- A series with a deprecated alias (:data:`kvtier.vllm.counters.DEPRECATED_LABELS`,
+  ``direction="save"`` for ``store``) gets every value twice: under its label and the alias.
+- ``vllm:kvtier_transfer_gbps{direction}`` (deprecated) is the throughput of the latest step
+  that moved bytes in that direction; the per-job histogram
+  ``vllm:kvtier_transfer_throughput_gbps`` and ``rate(vllm:kvtier_transfer_bytes_total[1m]) /
+  rate(vllm:kvtier_transfer_seconds_total[1m])`` replace it.
 - Every fixed series exists from start-up (value 0), per engine, so dashboards and scrapes
   see the full set before the first request.
 """
@@ -28,11 +34,14 @@ from kvtier.log import get_logger
 from kvtier.vllm.counters import (
     BY_NAME,
     COUNTER,
+    DEPRECATED_LABELS,
     DERIVED,
     GAUGE,
     GAUGE_PREFIX,
+    HISTOGRAMS,
     METRICS,
     PREFIX,
+    Histogram,
     series_of_key,
 )
 
@@ -52,6 +61,9 @@ class _Null:
     def set(self, *_: object) -> None:
         return None
 
+    def observe(self, *_: object) -> None:
+        return None
+
 
 _NULL = _Null()
 
@@ -62,7 +74,15 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._families: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._children: dict[tuple[int, str, str, tuple[tuple[str, str], ...]], Any] = {}
+        self._histograms: dict[tuple[int, str], Any] = {}  # (engine, obs key) -> child
+        families = {h.name: self._histogram_family(h) for h in HISTOGRAMS}
         for engine in per_engine_labelvalues:
+            for h in HISTOGRAMS:
+                family = families[h.name]
+                for series in h.series:
+                    labels = h.labels(series)
+                    self._histograms[(engine, series.key)] = family.labels(
+                        *per_engine_labelvalues[engine], *labels.values())
             for m in METRICS:
                 if m.reasons:
                     for reason in m.reasons:
@@ -72,8 +92,22 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                     self._series(engine, m.type, m.name,
                                  {m.label: series.label} if m.label else {})
 
+    def _histogram_family(self, h: Histogram) -> Any:
+        extra = list(h.labels(h.series[0]))
+        return self._histogram_cls(name=h.full_name, documentation=h.doc,
+                                   labelnames=[*self._labelnames, *extra],
+                                   buckets=list(h.buckets))
+
     def _series(self, engine: int, kind: str, name: str, labels: dict[str, str]) -> Any:
-        """The child of metric ``vllm:kvtier_<name>`` for this engine and these labels."""
+        """The child of metric ``vllm:kvtier_<name>`` for this engine and these labels, or,
+        for a series with a deprecated alias, a child that feeds both."""
+        alias = _alias(labels)
+        child = self._one_series(engine, kind, name, labels)
+        if alias is None:
+            return child
+        return _Both(child, self._one_series(engine, kind, name, alias))
+
+    def _one_series(self, engine: int, kind: str, name: str, labels: dict[str, str]) -> Any:
         lk = tuple(sorted(labels.items()))
         child = self._children.get((engine, kind, name, lk))
         if child is not None:
@@ -103,6 +137,11 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data or {}
         for key, value in data.items():
+            if isinstance(value, list):
+                hist = self._histograms.get((engine_idx, key))
+                for v in value if hist is not None else ():
+                    hist.observe(v)
+                continue
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             known = series_of_key(key)
@@ -123,6 +162,28 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                 if value is not None:
                     self._series(engine_idx, m.type, m.name,
                                  {m.label: series.label} if m.label else {}).set(value)
+
+
+class _Both:
+    """A series and its deprecated alias, moved together."""
+
+    def __init__(self, series: Any, alias: Any) -> None:
+        self.series, self.alias = series, alias
+
+    def inc(self, value: float) -> None:
+        self.series.inc(value)
+        self.alias.inc(value)
+
+    def set(self, value: float) -> None:
+        self.series.set(value)
+        self.alias.set(value)
+
+
+def _alias(labels: dict[str, str]) -> dict[str, str] | None:
+    for (label, value), old in DEPRECATED_LABELS.items():
+        if labels.get(label) == value:
+            return {**labels, label: old}
+    return None
 
 
 def _clean(key: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.geometry import Geometry
 from kvtier.keys import Namespace
+from kvtier.layout import GroupKind
 from kvtier.log import get_logger
 from kvtier.protocol import StepPlan
 from kvtier.scheduler import (
@@ -27,7 +28,9 @@ from kvtier.scheduler import (
 from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
 from kvtier.vllm.counters import scheduler_counts
+from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
 from kvtier.vllm.groups import EngineGroups
+from kvtier.vllm.hybrid_hits import forget_hits_beyond, state_boundary_in_hbm
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import stats_payload
@@ -52,6 +55,16 @@ class SchedulerSide:
         # requests vLLM scheduled before the scheduler half existed: their block tables are
         # unknown, so nothing is saved from them until a step hands over a full table
         self._blind: set[str] = set()
+        # vLLM's block pool where its local hit of a hybrid can outrun the state groups'
+        # (kvtier.vllm.hybrid_hits); None elsewhere
+        self._block_pool: Any = None
+        self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
+
+    def bind_block_pool(self, pool: Any) -> None:
+        groups = self.setup.groups
+        if (groups is not None and compat.local_hit_is_longest_group_hit()
+                and any(s.kind is GroupKind.STATE for s in groups.specs)):
+            self._block_pool = pool
 
     # -- requests ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -73,6 +86,31 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        n, load = self._matched_tokens(request, num_computed_tokens)
+        if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
+            return None, False  # asked again next step, at a local hit with its state
+        return n, load
+
+    def _state_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
+        """Whether vLLM's local hit runs past the state groups' own (kvtier's answer loads
+        nothing): then the attention groups' cache entries past the state are dropped
+        (:mod:`kvtier.vllm.hybrid_hits`)."""
+        pool, groups = self._block_pool, self.setup.groups
+        if pool is None or groups is None or local_hit <= 0:
+            return False
+        hashes = request.block_hashes
+        state_hit = state_boundary_in_hbm(pool, hashes, groups, local_hit)
+        if state_hit >= local_hit:
+            return False
+        dropped = forget_hits_beyond(pool, hashes, groups, state_hit, local_hit)
+        self.hits_forgotten += dropped
+        logger.debug("kvtier: request %s: local hit %d has no state past %d; %d attention "
+                     "prefix-cache entries dropped", request.request_id, local_hit, state_hit,
+                     dropped)
+        return dropped > 0
+
+    def _matched_tokens(self, request: Any, num_computed_tokens: int
+                        ) -> tuple[int | None, bool]:
         if self.setup.disabled_reason:
             return 0, False
         if self.scheduler is None:
@@ -86,9 +124,7 @@ class SchedulerSide:
         tokens = request.all_token_ids
         n = self.scheduler.lookup(request.request_id, tokens[: request.num_tokens],
                                   num_computed_tokens)
-        if n is None:  # chunks are being promoted from disk into DRAM: ask again next step
-            return None, False
-        return n, n > 0
+        return n, bool(n)  # None: the hit is being prepared, ask again next step
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -154,10 +190,23 @@ class SchedulerSide:
         if self.scheduler is None and wm.geometries:
             self._start_scheduler(wm.geometries)
         if self.scheduler is not None:
+            if self.setup.loads_must_not_fail:
+                self._recover_failed_loads(wm)
             self.scheduler.on_report(wm.report)
             now = time.monotonic()
             self.scheduler.observe_step(now - self._last_output, self._prefill_tokens)
             self._last_output = now
+
+    def _recover_failed_loads(self, wm: KvtierWorkerMetadata) -> None:
+        """Promised loads that failed for good where vLLM has no report path for them:
+        recompute from the local hit, or stop (:mod:`kvtier.vllm.failed_loads`)."""
+        assert self.scheduler is not None and self.setup.groups is not None
+        for job_id, req_id, promised in completed_failures(self.scheduler, wm.report):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # finished (aborted while parked): vLLM frees its blocks
+            reason = wm.load_errors.get(job_id, "the copy failed on a rank")
+            recover_or_stop(request, promised, self.setup.groups, reason)
 
     def _start_scheduler(self, geometries: list[Geometry]) -> None:
         setup = self.setup
@@ -181,12 +230,16 @@ class SchedulerSide:
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
+                                          prepare_hits=prepares_hits(setup),
+                                          draft_lookahead=setup.draft_lookahead,
                                           lower=self.disk.lower if self.disk else None)
         for req in list(self.requests.values()):
             self._ensure_request(req)
-        logger.info("kvtier: %d chunk slots per group of %d tokens, %s",
+        logger.info("kvtier: %d chunk slots per group of %d tokens, %s%s",
                     slab_layout.classes[0].num_slots, geometry.chunk_tokens,
-                    [c.name for c in slab_layout.classes])
+                    [c.name for c in slab_layout.classes],
+                    "; EAGLE/MTP drafts: chunk keys cover the next token"
+                    if setup.draft_lookahead else "")
 
     def has_pending_push_work(self) -> bool:
         if self.setup.disabled_reason:
@@ -210,6 +263,14 @@ class SchedulerSide:
         if self.scheduler is not None:
             self.scheduler.reset()
         return True
+
+
+def prepares_hits(setup: ConnectorSetup) -> bool:
+    """Verify hits before promising them exactly where a promised load cannot fail
+    (:func:`kvtier.vllm.compat.promises_are_final`) and checksums are verified."""
+    groups = setup.groups
+    return (setup.config.verify_checksums and groups is not None
+            and compat.promises_are_final(len(groups.engine_ids)))
 
 
 def step_input(scheduler_output: Any, groups: EngineGroups) -> StepInput:

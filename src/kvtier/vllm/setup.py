@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import KvtierConfig
+from kvtier.layout import GroupKind
 from kvtier.log import get_logger
 from kvtier.vllm import compat, startup
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
@@ -25,9 +26,13 @@ class ConnectorSetup:
     groups: EngineGroups | None  # None: kvtier cannot serve this model
     disabled_reason: str | None  # set: kvtier is off for this engine
     loads_enabled: bool  # False: saving only
+    # vLLM has no report path for a promised load (0.25.1, several KV-cache groups): failed
+    # copies are re-issued, then recovered or fatal (kvtier.vllm.failed_loads)
+    loads_must_not_fail: bool
     replicated: bool  # one slab copy for every rank (MLA under TP)
     kv_cache_dtype: str
     model_name: str
+    draft_lookahead: int = 0  # 1 with EAGLE/MTP drafts: a chunk's key covers the next token
 
 
 def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
@@ -47,24 +52,52 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
         groups = engine_groups(kv_cache_config)
     except UnsupportedModel as e:
         disabled_reason = str(e)
-    loads_enabled = _loads_enabled(vllm_config, groups, is_scheduler)
+    if groups is not None and disabled_reason is None:
+        check_state_cache_mode(vllm_config, groups)
+    loads_enabled = _loads_enabled(vllm_config, is_scheduler)
     if disabled_reason:
         logger.warning("kvtier is off for this engine: %s", disabled_reason)
     return ConnectorSetup(
         config=config, world_size=tp * pp, tp_size=tp, groups=groups,
         disabled_reason=disabled_reason, loads_enabled=loads_enabled,
+        loads_must_not_fail=groups is not None
+        and compat.promised_loads_must_not_fail(groups.num_engine_groups),
         replicated=bool(getattr(vllm_config.model_config, "use_mla", False)) and tp > 1,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         model_name=str(vllm_config.model_config.model),
+        draft_lookahead=draft_lookahead(vllm_config),
     )
 
 
-def _loads_enabled(vllm_config: Any, groups: EngineGroups | None, is_scheduler: bool) -> bool:
-    if groups is not None and compat.loads_need_failed_recving(len(groups.engine_ids)):
-        logger.warning("kvtier: this vLLM reports load failures per block, which it cannot "
-                       "map with %d KV-cache groups: saving only, loads are off",
-                       len(groups.engine_ids))
-        return False
+def draft_lookahead(vllm_config: Any) -> int:
+    """1 when EAGLE/MTP drafts run (``SpeculativeConfig.use_eagle()``, vLLM 0.25.1 and 0.32),
+    else 0. Their draft layers' KV at a chunk's last position is computed from the token
+    after the chunk, so kvtier keys each chunk with that token too (:mod:`kvtier.keys`);
+    vLLM's own prefix cache drops the last block of such a hit instead. Other methods
+    (n-gram, a separate draft model) write no KV that looks ahead."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 1 if spec is not None and spec.use_eagle() else 0
+
+
+STATE_CACHE_MODES = ("align", "all")
+"""``mamba_cache_mode`` values that keep a recurrent state per block position (what kvtier
+saves at a boundary and restores there); ``none`` keeps one running state per request."""
+
+
+def check_state_cache_mode(vllm_config: Any, groups: EngineGroups) -> None:
+    """Refuse a model with recurrent-state groups whose states vLLM does not keep per block
+    (``cache_config.mamba_cache_mode`` 'none', what vLLM picks without prefix caching)."""
+    if not any(s.kind is GroupKind.STATE for s in groups.specs):
+        return
+    mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
+    if mode not in STATE_CACHE_MODES:
+        startup.fail(f"mamba_cache_mode={mode!r} keeps one recurrent state per request, which "
+                     "kvtier cannot store per prefix",
+                     "start vLLM with --enable-prefix-caching (vLLM then picks "
+                     "mamba_cache_mode 'align'), or set --mamba-cache-mode align or all")
+
+
+def _loads_enabled(vllm_config: Any, is_scheduler: bool) -> bool:
     sched_policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
     if (is_scheduler and sched_policy == "priority"
             and not compat.parked_requests_drained_first()):

@@ -6,8 +6,9 @@ server) prints its own last. A kvtier refusal there would be buried; so every st
 of the connector goes through this module.
 
 Contract:
-- :func:`failures` (a context manager) turns a :class:`ConfigError` or :class:`SlabError`
-  raised inside it into a :class:`StartupError`; :func:`fail` raises one for a refusal the
+- :func:`failures` (a context manager) turns a :class:`ConfigError`, :class:`SlabError` or
+  :class:`~kvtier.layout.LayoutError` (registered caches kvtier cannot move as opaque
+  bytes) raised inside it into a :class:`StartupError`; :func:`fail` raises one for a refusal the
   connector makes itself. A :class:`StartupError` is a ``ValueError`` (what vLLM saw before),
   its message is one line ``kvtier: <what is wrong>; <what to do>``, and it is raised from
   None (the line says it all; vLLM prints its own traceback around it anyway).
@@ -52,6 +53,8 @@ REPORT_ENV = "KVTIER_STARTUP_REPORT"
 ENGINE, SERVE = "engine", "serve"
 TRACKER_WAIT_S = 3.0
 SETTINGS_TODO = "`kvtier config` lists every setting"
+LAYOUT_TODO = ("kvtier moves every KV byte it restores and refuses what it cannot map to "
+               "blocks; serve this model without the kvtier connector, or report the layout")
 
 
 class StartupError(ValueError):
@@ -84,15 +87,18 @@ def fail(what: str, todo: str) -> NoReturn:
 @contextlib.contextmanager
 def failures(todo: str | None = None) -> Iterator[None]:
     """Start-up code inside this block fails with a :class:`StartupError` (reported)
-    instead of a :class:`ConfigError` or :class:`SlabError`; ``todo`` is appended to errors
-    whose own text may not say what to do."""
+    instead of a :class:`ConfigError`, :class:`SlabError` or ``LayoutError``; ``todo`` is
+    appended to errors whose own text may not say what to do."""
     from kvtier.slab import SlabError  # here: kvtier serve imports this module without torch
 
+    # kvtier.layout needs torch; where it was never imported, none of its errors can occur
+    layout = sys.modules.get("kvtier.layout")
+    refusals = (ConfigError, SlabError, *((layout.LayoutError,) if layout else ()))
     try:
         yield
     except StartupError:
         raise
-    except (ConfigError, SlabError) as e:
+    except refusals as e:
         text = str(e) if todo is None else f"{e}; {todo}"
         raise _report(StartupError(one_line(text))) from None
 

@@ -18,17 +18,18 @@ import torch
 
 from kvtier.geometry import Geometry, resolve_chunk_tokens
 from kvtier.layout import build_layout
+from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
 from kvtier.protocol import StepPlan
 from kvtier.slab import Pinner
 from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.vllm import compat, startup
 from kvtier.vllm.block_axes import registered_block_axes
-from kvtier.vllm.counters import worker_counts
+from kvtier.vllm.counters import worker_counts, worker_observations
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.ranks import engine_shared_slab
 from kvtier.vllm.setup import ConnectorSetup
-from kvtier.vllm.stats import stats_payload
+from kvtier.vllm.stats import add_observations, stats_payload
 from kvtier.worker import OffloadWorker, StepResult
 
 logger = get_logger("vllm.connector")
@@ -69,6 +70,7 @@ class WorkerSide:
         self._fenced_step = -1
         self._begun_step = -1
         self._counts: dict[str, Any] = {}
+        self._observations: dict[str, list[float]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         setup = self.setup
@@ -76,25 +78,29 @@ class WorkerSide:
             return
         layers = dict(getattr(self._vllm_config.compilation_config,
                               "static_forward_context", {}) or {})
-        # the block axis of each tensor as vLLM declares it (never guessed from sizes)
-        block_axes = registered_block_axes(kv_caches, self._kv_cache_config, layers,
-                                           setup.kv_cache_dtype)
-        layout = build_layout(
-            kv_caches, setup.groups.specs, int(self._kv_cache_config.num_blocks),
-            kv_cache_dtype=setup.kv_cache_dtype, layers=layers, block_axes=block_axes,
-        )
+        with startup.failures(todo=startup.LAYOUT_TODO):  # e.g. a scale it cannot map
+            # the block axis of each tensor as vLLM declares it (never guessed from sizes)
+            block_axes = registered_block_axes(kv_caches, self._kv_cache_config, layers,
+                                               setup.kv_cache_dtype)
+            layout = build_layout(
+                kv_caches, setup.groups.specs, int(self._kv_cache_config.num_blocks),
+                kv_cache_dtype=setup.kv_cache_dtype, layers=layers, block_axes=block_axes,
+            )
         with startup.failures():
             chunk = resolve_chunk_tokens(setup.config.chunk_tokens,
                                          [g.spec.block_size for g in layout.groups])
         rank = compat.rank()
         device_is_cuda = any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
+        factory = self._engine_factory(device_is_cuda)
+        if setup.loads_must_not_fail:  # no report path once promised: re-issue first
+            factory = retrying_factory(factory)
         with startup.failures():  # the slab: dram_size, host memory, /dev/shm, pinning
             shm = engine_shared_slab(self._vllm_config) if setup.world_size > 1 else None
             self.worker = OffloadWorker(
                 setup.config, layout, chunk, rank=rank, world_size=setup.world_size,
                 replicated=setup.replicated, shared=shm, pinner=_pinner(device_is_cuda),
-                engine_factory=self._engine_factory(device_is_cuda),
+                engine_factory=factory,
             )
         self._geometry = self.worker.geometry
         transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
@@ -140,6 +146,7 @@ class WorkerSide:
         for k, v in worker_counts(res.report).items():
             if v:
                 self._counts[k] = self._counts.get(k, 0) + v
+        add_observations(self._observations, worker_observations(res.report))
         # Reports accumulate until build_connector_worker_meta hands them over: a second
         # collection before that (any engine path that polls twice) must not drop the first.
         self._result = self._result.merge(res)
@@ -154,20 +161,27 @@ class WorkerSide:
         return compat.transfer_results(set(res.finished_loads), set(res.failed_loads))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return compat.failed_blocks_to_report(self._result.failed_blocks)
+        groups = self.setup.groups
+        n = groups.num_engine_groups if groups is not None else 1
+        return compat.failed_blocks_to_report(self._result.failed_blocks, n)
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         if self.worker is None:
             return None
         geoms = [self._geometry] if (self._geometry and not self._geometry_acked) else []
-        meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms)
+        engine = self.worker.engine
+        errors = engine.take_errors() if isinstance(engine, RetryingLoads) else {}
+        meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms,
+                                    load_errors=errors)
         self._result = StepResult()
         return meta
 
     def stats(self) -> dict[str, Any]:
-        """Counter increments since the last call (vLLM sums them over ranks)."""
+        """Counter increments and histogram observations since the last call (vLLM sums
+        and concatenates them over ranks)."""
         counts, self._counts = self._counts, {}
-        return stats_payload(counts, {})
+        observed, self._observations = self._observations, {}
+        return {**stats_payload(counts, {}), **observed}
 
     def shutdown(self) -> None:
         if self.worker is not None:

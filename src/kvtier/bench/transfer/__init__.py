@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gemm", action="store_true", help="skip the runs under a GEMM")
     p.add_argument("--dma-min-piece", default=None,
                    help="the auto path's threshold to report (default: the engine's)")
+    p.add_argument("--verify", action="store_true",
+                   help="checksums at save and verified at load, as verify_checksums does")
     p.add_argument("--tag", default="", help="extra text in the output file names")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on CPU (host runtime, TRITON_INTERPRET=1): checks the code")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,13 +198,21 @@ class _Slab:
     """Slab slots over a slice of one pinned buffer (the engine needs ``layout`` and
     ``buffer``; the spot checks ``view``)."""
 
-    def __init__(self, layout: Any, buffer: Any) -> None:
+    def __init__(self, layout: Any, buffer: Any, sums_entries: Sequence[int] = ()) -> None:
+        import torch
+
         self.layout = layout
         self.buffer = buffer[: layout.total_bytes]
+        # checksum tables (--verify): one int64 per block position of a slot, as the slab's
+        self._sums = [torch.zeros((c.num_slots, n), dtype=torch.int64)
+                      for c, n in zip(layout.classes, sums_entries)]
 
     def view(self, cls: int, slot: int, shard: int = 0) -> Any:
         off = self.layout.offset(cls, slot, shard)
         return self.buffer[off: off + self.layout.classes[cls].slot_bytes]
+
+    def sums(self, cls: int, shard: int = 0) -> Any:
+        return self._sums[cls]
 
     def close(self) -> None:
         pass
@@ -352,7 +360,8 @@ def _load_jobs(geo: CacheCase, b: _Blocks, n_chunks: int, kv_cb: int) -> list[An
     return loads
 
 
-def build_cell(geo: CacheCase, device: Any, pinned: Any, span: int, seed: int) -> Cell:
+def build_cell(geo: CacheCase, device: Any, pinned: Any, span: int, seed: int,
+               verify: bool = False) -> Cell:
     """Allocate ``geo`` on ``device`` with slab slots in ``pinned``, and its jobs: saves into
     slot set A, loads from A, and saves into B (to run at the same time as the loads)."""
     from kvtier.geometry import Geometry
@@ -375,7 +384,8 @@ def build_cell(geo: CacheCase, device: Any, pinned: Any, span: int, seed: int) -
     if slab_layout.total_bytes > pinned.numel():
         raise RuntimeError(f"{geo.family}: needs {slab_layout.total_bytes} pinned bytes, "
                            f"have {pinned.numel()}")
-    mover = ChunkMover(layout, geometry, _Slab(slab_layout, pinned), 0)
+    entries = [geometry.blocks_per_chunk(g) for g in range(len(geometry.groups))]
+    mover = ChunkMover(layout, geometry, _Slab(slab_layout, pinned, entries), 0, verify=verify)
     b = _blocks(geo, n_chunks, n_states, seed)
     g0 = layout.groups[0]
     sizes = {"chunk_bytes": kv_cb, "bytes_per_block": g0.bytes_per_block,

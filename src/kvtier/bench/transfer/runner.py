@@ -39,6 +39,7 @@ class Setting:
     cfg: Any  # KvtierConfig of the engines
     idle: Any  # the stream the engine runs from (None on CPU)
     gemm: Gemm | None
+    verify: bool = False  # checksums at save, verified at load (verify_checksums)
 
     def sync(self) -> None:
         if not self.smoke:
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
     cfg = KvtierConfig(dram_size="1GiB", gpu_staging_size="256MiB" if not smoke else "2MiB")
     st = Setting(smoke, device, span, thr, cfg, torch.cuda.Stream(device) if not smoke else None,
-                 gemm)
+                 gemm, verify=bool(args.verify))
+    meta["verify_checksums"] = bool(args.verify)
     modes = [m for m in args.modes.split(",") if m]
     t_start = time.perf_counter()
     for fam in [f for f in args.families.split(",") if f]:
@@ -158,7 +160,7 @@ def _run_cell(st: Setting, result: dict[str, Any], host: Any, fam: str, chunk: i
     mha 2 MiB cell also measures the naive path into ``result``."""
     t_cell = time.perf_counter()
     geo = cache_case(fam, chunk, st.span, st.smoke)
-    cell = build_cell(geo, st.device, host, st.span, seed=seed)
+    cell = build_cell(geo, st.device, host, st.span, seed=seed, verify=st.verify)
     # The cell's job lists (tens of thousands of objects) live for the whole cell:
     # out of the collector's way, as a serving engine's long-lived state would be.
     gc.freeze()

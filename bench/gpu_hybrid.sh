@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Hybrid and sparse seed families with kvtier on one H200, vLLM 0.25.1 from the gpu-kit
+# (installed into $SITE first). One stage per device call (each under the 10-minute limit):
+#   STAGE=check  tools/gpu_seed_check.py for $ARCHS in parallel (correctness only, so they
+#                share the GPU), then `kvtier bench transfer --families kimi_linear` alone;
+#   STAGE=gain   tools/gpu_shared_prefix.py --model kimi-linear for $CONFIGS (default
+#                hbm kvtier native big), one engine process each, one after the other.
+# Everything lands in $OUT/<stage>.tgz (the device tool returns at most 8 files).
+#   STAGE=check ARCHS="kimi_linear qwen3_next" NEG="" bash bench/gpu_hybrid.sh
+set -u -o pipefail
+OUT=${OUT:-/tmp/kvtier-out}
+SITE=${SITE:-/tmp/site}
+STAGE=${STAGE:-check}
+W=$OUT/$STAGE
+mkdir -p "$W"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv > "$W/gpu.txt" 2>&1
+git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
+t0=$(date +%s)
+if [ "$STAGE" = check ]; then
+    pids=()
+    for a in ${ARCHS:-kimi_linear qwen3_next}; do
+        negs=()
+        for n in ${NEG:-}; do negs+=(--negative "$n"); done
+        # every engine of every architecture at once: GPU_MEM each
+        timeout "${CHECK_TIMEOUT:-420}" python3 tools/gpu_seed_check.py --arch "$a" \
+            --out "$W/seed" --gpu-mem "${GPU_MEM:-0.12}" --timeout $(( ${CHECK_TIMEOUT:-420} - 15 )) \
+            "${negs[@]}" > "$W/$a.log" 2>&1 &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; echo "seed check pid $p rc=$?"; done
+    grep -h -E "PASSED|FAILED|restore check" "$W"/*.log
+    echo "seed checks done after $(( $(date +%s) - t0 )) s"
+    if [ -z "${NO_TRANSFER:-}" ]; then
+        timeout "${BENCH_TIMEOUT:-150}" python3 -m kvtier.cli bench transfer \
+            --families kimi_linear --out "$W" --tag kimi_linear > "$W/transfer.log" 2>&1
+        echo "transfer rc=$?"; grep -E "^\| kimi|ceiling" "$W/transfer.log"
+    fi
+elif [ "$STAGE" = gain ]; then
+    for c in ${CONFIGS:-hbm kvtier native big}; do
+        timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py --model kimi-linear \
+            --dram-gib "${DRAM_GIB:-16}" \
+            --config "${c%%-*}" --out "$W/sp_$c.json" > "$W/sp_$c.log" 2>&1
+        echo "$c rc=$?: $(grep -E '^(hbm|big|kvtier|native): wall' "$W/sp_$c.log" | tail -1)"
+    done
+fi
+tar czf "$OUT/$STAGE.tgz" -C "$OUT" "$STAGE" && rm -rf "$W"
+echo "done after $(( $(date +%s) - t0 )) s"

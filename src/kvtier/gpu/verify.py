@@ -1,0 +1,92 @@
+"""The GPU engine's verified restores: checksums computed on the device, compared on the host.
+
+A batch with checksums owns a :class:`BatchCheck`: a device buffer of per-work-item partial
+sums that the transfer's kernel writes (the fused gather/scatter of the kernel path, or the
+cache-only pass ``move=False`` of the DMA path, see :mod:`kvtier.gpu.kernels`), reduced per
+block position and copied into pinned host memory on the same stream before the batch's
+``done`` event. Once ``done`` fired, :meth:`BatchCheck.finish` seals the sums with each row's
+seed (:mod:`kvtier.checksum`) and either stores them in the slab's checksum table (a save,
+before the job is reported complete) or compares them with it (a load: the positions the load
+wrote, i.e. what crossed the link, against what was stored; SKIP positions are 0 and not
+compared).
+
+So the check covers the device, the link and host memory end to end. Groups whose pieces are
+not whole 8-byte words (``TileTable.vec < 8``: no family today) are checked on the host
+instead (:class:`~kvtier.transfer.ChunkMover`): the slot's checksum when a save completed, and
+the slots before a load is enqueued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier import checksum
+from kvtier.protocol import TransferOp
+from kvtier.transfer import ChunkMover, Mismatch
+
+
+@dataclass
+class Rows:
+    """The chunks of one batch of one group, in launch order."""
+
+    group: int
+    slot_class: int
+    slots: np.ndarray  # (n,) int64 slot numbers
+    digests: np.ndarray  # (n,) uint64 key digests (TransferOp.seed)
+    ids: np.ndarray  # (n, bpc) int64 block ids (SKIP = -1 in loads)
+    owners: list[int]  # job id of each row
+
+
+class BatchCheck:
+    """The device sums of one batch (see the module docstring). ``part``: the kernel's
+    ``sums`` argument; :meth:`to_host` on the stream that ran it."""
+
+    def __init__(self, rt: Any, tiles: Any, rows: Rows) -> None:
+        self.rows = rows
+        self.tiles = tiles
+        self.n_pos = rows.ids.size
+        self.part = torch.zeros(max(1, tiles.work_items(self.n_pos)), dtype=torch.int64,
+                                device=rt.device)
+        self.host = rt.pinned(max(1, self.n_pos), torch.int64)
+
+    def to_host(self) -> None:
+        """Reduce per block position and copy to pinned memory, on the current stream."""
+        self.host[: self.n_pos].copy_(self.tiles.block_sums(self.part, self.n_pos),
+                                      non_blocking=True)
+
+    def _sealed(self, shard: int) -> np.ndarray:
+        r = self.rows
+        sums = self.host[: self.n_pos].numpy().view(np.uint64).reshape(r.ids.shape)
+        seeds = checksum.shard_seeds_np(r.digests, r.group, shard)
+        with np.errstate(over="ignore"):
+            return sums + checksum.seals_np(seeds, r.ids.shape[1])
+
+    def finish_save(self, slab: Any, shard: int) -> None:
+        """Store the sealed sums in the slab's table (``done`` fired)."""
+        vals = self._sealed(shard).view(np.int64)
+        table = slab.sums(self.rows.slot_class, shard)
+        table[torch.from_numpy(self.rows.slots), : vals.shape[1]] = torch.from_numpy(vals)
+
+    def finish_load(self, slab: Any, shard: int) -> dict[int, list[Mismatch]]:
+        """Job id -> the rows whose written positions do not match the table."""
+        r = self.rows
+        got = self._sealed(shard)
+        table = slab.sums(r.slot_class, shard)
+        stored = table[torch.from_numpy(r.slots), : got.shape[1]].numpy().view(np.uint64)
+        bad = (got != stored) & (r.ids >= 0)
+        out: dict[int, list[Mismatch]] = {}
+        for i in np.flatnonzero(bad.any(axis=1)).tolist():
+            blocks = tuple(np.flatnonzero(bad[i]).tolist())
+            out.setdefault(r.owners[i], []).append(
+                Mismatch(r.group, r.slot_class, int(r.slots[i]), blocks))
+        return out
+
+
+def host_store(mover: ChunkMover, rows: Rows) -> None:
+    """Saves of a group checked on the host: checksum each slot as written."""
+    for slot, digest in zip(rows.slots.tolist(), rows.digests.tolist()):
+        mover.store_sums(TransferOp(rows.group, slot, [], int(digest)))

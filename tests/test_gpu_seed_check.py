@@ -1,0 +1,44 @@
+"""tools/gpu_seed_check.py without an engine: its prompts and the engine arguments of its
+runs. The tool itself ran on vLLM 0.32's CPU build with Qwen3-Next (``--cpu``) and on the
+H200 (bench/results/)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_seed_check",
+                                                  ROOT / "tools" / "gpu_seed_check.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_seed_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prompts_cover_three_chunks_and_a_shared_two_chunk_prefix() -> None:
+    tool = _tool()
+    p = tool.prompts_for(1888, 4096)
+    (long,) = p["long"]
+    a, b = p["shared_batch"]
+    assert len(long) == 3 * 1888 + 5 and a[:2 * 1888] == b[:2 * 1888]
+    assert a[2 * 1888] != b[2 * 1888] or a[2 * 1888 + 1] != b[2 * 1888 + 1]
+    assert all(100 <= t < 4096 for t in long + a + b)
+
+
+def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) -> None:
+    tool = _tool()
+    args = tool.argparse.Namespace(arch="kimi_linear", max_model_len=8192, eager=False,
+                                   cpu=False, gpu_mem=0.3, dram="4GiB")
+    cold = tool.engine_kwargs(args, str(tmp_path), "cold")
+    kv = tool.engine_kwargs(args, str(tmp_path), "kvtier")
+    assert cold["enable_prefix_caching"] is False and "kv_transfer_config" not in cold
+    assert kv["enable_prefix_caching"] is True
+    assert kv["kv_transfer_config"].kv_connector == "ProbeConnector"
+    assert kv["kv_transfer_config"].kv_connector_extra_config["cost_model"] is False

@@ -1,0 +1,183 @@
+"""Verified restores in the GPU engine (docs/notes/checksums.md §4.2), on CPU tensors through
+:class:`~kvtier.testing.host_runtime.HostRuntime` with the interpreted kernels: the device sums
+stored at save are the reference checksums of the slots, a flipped byte fails the load on both
+paths with the corrupt slot named, SKIP positions are not compared, and the DMA path's
+checksum pass is one of the save's read events (what a fence waits for).
+
+Runs in its own process with ``TRITON_INTERPRET=1`` (``tests/test_gpu_interpreted.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from _families import (
+    Family,
+    blocks_per_chunk,
+    check_engine,
+    drain,
+    make_mover,
+    materialize,
+    stored_recipes,
+)
+from _kvcheck import group_storages, poison
+from kvtier import codec
+from kvtier.config import KvtierConfig
+from kvtier.gpu import kernels
+from kvtier.gpu.engine import CudaTransferEngine
+from kvtier.protocol import SKIP, Job, JobKind, TransferOp
+from kvtier.testing.host_runtime import HostEvent, HostRuntime, HostStream
+from kvtier.transfer import ChunkMover
+
+if not isinstance(kernels._move_kernel, InterpretedFunction):
+    pytest.fail("kvtier.gpu.kernels was imported without TRITON_INTERPRET=1 in this process; "
+                "run this file through tests/test_gpu_interpreted.py", pytrace=False)
+
+RECIPES = {r["name"]: r for r in stored_recipes()}
+NAMES = ["v032_flash_BHLNC", "v032_mamba_hybrid", "v032_sliding_window", "v032_mla_auto"]
+CONFIG = KvtierConfig(dram_size="1GiB", gpu_staging_size="8MiB")
+
+
+def _family(name: str) -> Family:
+    return materialize(RECIPES[name], "cpu")
+
+
+@pytest.mark.parametrize("mode", ["dma", "kernel"])
+@pytest.mark.parametrize("name", NAMES)
+def test_device_sums_are_the_reference_checksums_and_loads_verify(name: str, mode: str) -> None:
+    fam = _family(name)
+
+    def make(mover: ChunkMover) -> CudaTransferEngine:
+        assert mover.verify
+        return CudaTransferEngine(mover, CONFIG, mode=mode, max_programs=4,
+                                  runtime=HostRuntime())
+    moved = check_engine(fam, make, seed=5, n_chunks=3, verify=True)
+    assert moved["saved"] > 0 and moved["loaded"] > 0
+
+
+def _engine(mode: str, verify: bool = True, runtime: Any = None
+            ) -> tuple[Family, ChunkMover, CudaTransferEngine, int]:
+    fam = _family("v032_flash_BHLNC")
+    chunk, bpc = blocks_per_chunk(fam.layout)
+    mover = make_mover(fam.layout, chunk, bpc, 4, pin=False, verify=verify)
+    eng = CudaTransferEngine(mover, CONFIG, mode=mode, max_programs=4,
+                             runtime=runtime or HostRuntime())
+    assert eng.paths()[0] == mode
+    return fam, mover, eng, bpc[0]
+
+
+def _position_offset(fam: Family, position: int) -> int:
+    """Where block position ``position`` of a group-0 chunk starts in its slot."""
+    return fam.layout.groups[0].segments[0].run * position
+
+
+@pytest.mark.parametrize("mode", ["dma", "kernel"])
+def test_a_flipped_byte_fails_the_load_and_names_the_slot(mode: str) -> None:
+    fam, mover, eng, b = _engine(mode)
+    src = list(range(b))
+    eng.save(Job(1, "a", [TransferOp(0, 2, src, seed=77)]))
+    assert drain(eng, {1})[1].ok
+    cls = mover.slot_class[0]
+    mover.slab.view(cls, 2)[_position_offset(fam, 1) + 3] ^= 0x10
+    poison(group_storages(fam.layout.groups[0]), 2)
+    eng.tick()
+    dst = list(range(b, 2 * b))
+    skip_flipped = [dst[0], SKIP, *dst[2:]]
+    eng.load(Job(2, "r", [TransferOp(0, 2, dst, seed=77)]))
+    eng.load(Job(3, "s", [TransferOp(0, 2, skip_flipped, seed=77)]))
+    eng.load(Job(4, "t", [TransferOp(0, 2, dst, seed=78)]))  # another chunk's seed
+    got = drain(eng, {2, 3, 4})
+    assert not got[2].ok and "checksum mismatch" in got[2].error
+    assert [(m.slot_class, m.slot, m.blocks) for m in got[2].corrupt] == [(cls, 2, (1,))]
+    assert got[3].ok and not got[3].corrupt, "a flip in a skipped position failed the load"
+    assert not got[4].ok and got[4].corrupt[0].blocks == tuple(range(b))
+    eng.close()
+    mover.slab.close()
+
+
+@pytest.mark.parametrize("mode", ["dma", "kernel"])
+def test_without_verification_the_same_flip_is_a_successful_load(mode: str) -> None:
+    """The control: the engine reports the flip only because it verifies."""
+    fam, mover, eng, b = _engine(mode, verify=False)
+    eng.save(Job(1, "a", [TransferOp(0, 2, list(range(b)), seed=77)]))
+    assert drain(eng, {1})[1].ok
+    mover.slab.view(mover.slot_class[0], 2)[_position_offset(fam, 1) + 3] ^= 0x10
+    eng.tick()
+    eng.load(Job(2, "r", [TransferOp(0, 2, list(range(b, 2 * b)), seed=77)]))
+    assert drain(eng, {2})[2].ok
+    eng.close()
+    mover.slab.close()
+
+
+def test_a_verify_job_runs_on_the_host_and_writes_nothing() -> None:
+    fam, mover, eng, b = _engine("dma")
+    eng.save(Job(1, "a", [TransferOp(0, 0, list(range(b)), seed=5)]))
+    eng.save(Job(2, "a", [TransferOp(0, 1, list(range(b, 2 * b)), seed=6)]))
+    drain(eng, {1, 2})
+    mover.slab.view(mover.slot_class[0], 1)[0] ^= 1
+    before = [s.clone() for s in group_storages(fam.layout.groups[0])]
+    eng.verify(Job(3, "v", [TransferOp(0, 0, [SKIP] * b, seed=5),
+                            TransferOp(0, 1, [SKIP] * b, seed=6)]))
+    got = drain(eng, {3})[3]
+    assert got.kind == JobKind.VERIFY and not got.ok
+    assert [(m.slot, m.blocks) for m in got.corrupt] == [(1, (0,))]
+    assert all(torch.equal(a, c) for a, c in zip(group_storages(fam.layout.groups[0]), before))
+    eng.close()
+    mover.slab.close()
+
+
+# -- the DMA fence ----------------------------------------------------------------------------
+class _Stream(HostStream):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
+
+
+class _Event(HostEvent):
+    def __init__(self) -> None:
+        self.on: Any = None
+
+    def record(self, stream: Any = None) -> None:
+        self.on = stream
+
+
+class _TaggedRuntime(HostRuntime):
+    """A HostRuntime whose events remember the stream they were recorded on, and whose
+    compute stream remembers what it was made to wait for."""
+
+    def __init__(self) -> None:
+        self.compute = _Stream("compute")
+        self._n = 0
+
+    def stream(self, high_priority: bool = False) -> Any:
+        self._n += 1
+        return _Stream(f"side{self._n}")
+
+    def event(self, timing: bool = False) -> Any:
+        return _Event()
+
+    def current(self) -> Any:
+        return self.compute
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_fence_on_a_dma_save_waits_for_its_checksum_pass(verify: bool) -> None:
+    rt = _TaggedRuntime()
+    _fam, mover, eng, b = _engine("dma", verify=verify, runtime=rt)
+    eng.save(Job(1, "a", [TransferOp(0, 0, list(range(b)), seed=5)]))
+    assert eng.fence([1]) == 0
+    streams = {ev.on.name for ev in rt.compute.waited if isinstance(ev, _Event)
+               and ev.on is not None}
+    assert eng.save_copy.name in streams  # the DMA's reads
+    # the checksum pass reads the blocks on the save-kernel stream: fenced too
+    assert (eng.save_kernel.name in streams) is verify
+    drain(eng, {1})
+    assert codec.chunk_bytes(_fam.layout.groups[0], b) > 0
+    eng.close()
+    mover.slab.close()

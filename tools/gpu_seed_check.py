@@ -1,0 +1,294 @@
+"""The restore check with kvtier on a seed architecture (issues 13 and 14), vLLM 0.25.1 on the H200.
+
+    PYTHONPATH=<site dir of vLLM 0.25.1>:src VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        python tools/gpu_seed_check.py --arch kimi_linear --out $OUT/seed
+
+One process per engine, all driven from this one command:
+
+1. **kvtier** (``kvtier.testing.probe.ProbeConnector``): the registration census kvtier logs
+   (groups, segments, state objects, dtypes, bytes per block, the chunk), then
+   :func:`kvtier.testing.restore.restore_check` on a long prompt (three chunks + 5 tokens)
+   and on two prompts sharing two chunks: run A computes, run C hits vLLM's own prefix cache
+   at the same boundary, then the prefix cache is reset and every registered tensor (KV and
+   state) overwritten with a fill pattern, and run B restores from kvtier. Passes only if
+   kvtier restored exactly the whole-chunk prefixes, block checksums read through vLLM's
+   block table match, and B's greedy tokens and top-5 logprobs equal C's bit for bit.
+2. **cold** (no connector, prefix caching off): the same prompts computed from scratch; B's
+   tokens and logprobs are compared with these too.
+3. **negative controls** (``--negative NAME``, repeatable; each its own kvtier process):
+   the same check with a ``kvtier.testing`` fault that leaves part of every restore out
+   (``kvtier.testing.negative``); each must make the check fail.
+
+Writes ``<arch>.json`` (and one per control) under ``--out`` and prints one line per check.
+``--cpu`` runs it on vLLM's CPU build (0.32; Qwen3-Next there), for a dry run of the tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # test-only worker rpcs
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# kvtier's chunk on the H200 with vLLM 0.25.1 (the block size vLLM chose to equalize page
+# sizes, bench/results/2026-12-01-bare-gpu-h200-vllm025/run2), so the cold reference can run
+# first; a run records the chunk it found, and --chunk overrides
+GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544}
+
+
+def prompts_for(chunk: int, vocab: int) -> dict[str, list[list[int]]]:
+    """A long prompt of three chunks + 5 tokens, and two prompts sharing two chunks."""
+    def toks(n: int, seed: int) -> list[int]:
+        return [(seed * 7919 + 31 * i + (i * i) % 97) % (vocab - 200) + 100 for i in range(n)]
+
+    shared = toks(2 * chunk, 2)
+    return {"long": [toks(3 * chunk + 5, 1)],
+            "shared_batch": [shared + toks(chunk // 2 + 7, 3), shared + toks(chunk + 3, 4)]}
+
+
+def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str, Any]:
+    from kvtier.testing.seed_models import SEED_MODELS
+
+    kw: dict[str, Any] = dict(model=folder, load_format="dummy", skip_tokenizer_init=True,
+                              seed=0, max_model_len=args.max_model_len, max_num_seqs=8,
+                              enable_prefix_caching=mode != "cold", enforce_eager=args.eager)
+    kw.update(copy.deepcopy(SEED_MODELS[args.arch].engine_args))
+    if args.cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        kw.update(dtype="bfloat16", max_num_batched_tokens=2048)
+        if mode != "cold":
+            kw["mamba_cache_mode"] = "align"
+    else:
+        kw.update(gpu_memory_utilization=args.gpu_mem, max_num_batched_tokens=8192)
+    if mode != "cold":
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ProbeConnector", kv_connector_module_path="kvtier.testing.probe",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"dram_size": args.dram, "cost_model": False})
+    return kw
+
+
+NEGATIVE_CONTROLS = {
+    # name -> (module in kvtier.testing, rpc run on every worker with args (True,))
+    "skip_state": ("kvtier.testing.probe", "rpc_skip_state_loads"),
+}
+
+
+def write_model(args: argparse.Namespace) -> str:
+    """The seed's model folder, its position limit at least the engine's max_model_len."""
+    from kvtier.testing.seed_models import SEED_MODELS
+
+    path = os.path.join(args.model_root, f"{args.arch}-{args.max_model_len}")
+    return SEED_MODELS[args.arch].write(path, max_len=args.max_model_len)
+
+
+def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """One engine process: ``cold`` (the prompts from scratch, prefix caching off; writes the
+    reference) or ``kvtier`` (the check against C and the cold reference, optionally under a
+    negative control)."""
+    import importlib
+
+    from vllm import LLM, SamplingParams
+
+    from kvtier.testing.reference import Generated, cold_reference
+    from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
+    from kvtier.testing.seed_models import VOCAB
+
+    sys.path.insert(0, HERE)
+    from gpu_bare_run import apply_vllm_fixes
+
+    folder = write_model(args)
+    res: dict[str, Any] = {"arch": args.arch, "mode": mode, "negative": args.negative,
+                           "vllm": __import__("vllm").__version__,
+                           "vllm_fixes": [] if args.cpu else apply_vllm_fixes()}
+    t0 = time.time()
+    llm = LLM(**engine_kwargs(args, folder, mode))
+    res["engine_start_s"] = round(time.time() - t0, 1)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False, temperature=0.0,
+                            logprobs=5)
+    if mode == "cold":
+        sharpen_dummy_weights(llm)
+        for name, prompts in prompts_for(args.chunk, VOCAB).items():
+            res[name] = [g.to_json() for g in cold_reference(llm, prompts, params)]
+        return res
+    h = handles(llm)
+    sharpen_dummy_weights(h)
+    res["census"] = census(h)
+    cold = {}
+    if args.cold and wait_for(args.cold, args.timeout / 2):
+        with open(args.cold) as f:
+            ref = json.load(f)
+        cold = {n: [Generated.from_json(g) for g in ref[n]] for n in ("long", "shared_batch")}
+    if args.negative:
+        module, fn = NEGATIVE_CONTROLS[args.negative]
+        res["negative_rpc"] = llm.collective_rpc(getattr(importlib.import_module(module), fn),
+                                                 args=(True,))
+    res["chunk_tokens"] = h.kvtier.geometry.chunk_tokens
+    for name, prompts in prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB).items():
+        t = time.time()
+        try:
+            r = restore_check(h, prompts, params, cold=cold.get(name))
+        except Exception as e:  # a crash is a result (reported, and a failed check)
+            res[name] = {"passed": False, "error": f"{type(e).__name__}: {e}"}
+            print(f"{args.arch} {name}: FAILED with {type(e).__name__}: {e}", flush=True)
+            continue
+        res[name] = {**r.to_json(), "seconds": round(time.time() - t, 2)}
+        print(f"{args.arch} {name}: {'PASSED' if r.passed else 'FAILED'} (where vLLM's "
+              f"cache is exact: {'PASSED' if r.passed_where_vllm_is_exact else 'FAILED'}) restored "
+              f"{r.restored_tokens}/{r.expected_restored}, cold compared: {r.cold_checked}, "
+              + str([(p.checksums_equal, p.tokens_equal, p.logprobs_equal, p.tokens_equal_cold,
+                      p.logprobs_equal_cold, p.hbm_hit_equal_cold, p.blocks_compared)
+                     for p in r.prompts]),
+              flush=True)
+    res["kvtier_stats"] = {k: v for k, v in vars(h.kvtier.stats).items()
+                           if isinstance(v, (int, float))}
+    return res
+
+
+def census(h: Any) -> dict[str, Any]:
+    """What kvtier made of vLLM's registration: per group its kind, block size, layers and
+    bytes per block and per chunk (kvtier's worker logs the same at start-up)."""
+    geo = h.kvtier.geometry
+    specs = h.scheduler_connector.groups.specs
+    groups = []
+    for g, (gg, spec) in enumerate(zip(geo.groups, specs)):
+        groups.append({"kind": gg.kind.value, "block_size": gg.block_size,
+                       "bytes_per_block": gg.bytes_per_block, "layers": len(spec.layer_names),
+                       "chunk_bytes": geo.chunk_bytes(g)})
+    return {"chunk_tokens": geo.chunk_tokens, "groups": groups}
+
+
+def spawn(args: argparse.Namespace, mode: str, negative: str | None, path: str,
+          cold: str) -> tuple[subprocess.Popen, str, str]:
+    """Start one engine process writing ``path``; returns (process, path, log)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--arch", args.arch, "--child", mode,
+            "--out", args.out, "--model-root", args.model_root, "--dram", args.dram,
+            "--max-model-len", str(args.max_model_len), "--gpu-mem", str(args.gpu_mem),
+            "--chunk", str(args.chunk), "--cold", cold, "--timeout", str(args.timeout)]
+    argv += ["--cpu"] * args.cpu + ["--eager"] * args.eager
+    if negative:
+        argv += ["--negative", negative]
+    log = path[:-5] + ".log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    return proc, path, log
+
+
+def collect(proc: subprocess.Popen, path: str, log: str, timeout: float) -> dict:
+    """The child's result, or why there is none."""
+    try:
+        rc: int | str = proc.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    if not os.path.exists(path):
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        return {"rc": rc, "error": "no result", "log": tail}
+    with open(path) as f:
+        return json.load(f)
+
+
+def wait_for(path: str, timeout_s: float) -> bool:
+    """The cold reference is written by a process started at the same time as this one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(1.0)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", required=True)
+    ap.add_argument("--out", required=True, help="folder for the JSON results and logs")
+    ap.add_argument("--model-root", default="/tmp/kvtier-seed-models")
+    ap.add_argument("--negative", action="append", default=[],
+                    help="a negative control of kvtier.testing.negative (repeatable)")
+    ap.add_argument("--dram", default="16GiB")
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--gpu-mem", type=float, default=0.4)
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="kvtier's chunk in tokens, if known (else a first kvtier run finds it)")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--cpu", action="store_true", help="vLLM's CPU build")
+    ap.add_argument("--eager", action="store_true", help="CUDA graphs off")
+    ap.add_argument("--child", choices=["kvtier", "cold"], default=None)
+    ap.add_argument("--cold", default="", help="the cold reference JSON (set by the driver)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.child:  # one engine, one result file
+        args.negative = args.negative[0] if args.negative else None
+        res = run_engine(args, args.child)
+        name = f"{args.arch}_{args.child}" + (f"_neg_{args.negative}" if args.negative else "")
+        _write(os.path.join(args.out, name + ".json"), res)
+        return 0
+    base = os.path.join(args.out, args.arch)
+    if not args.chunk and not args.cpu:
+        args.chunk = GPU_CHUNKS.get(args.arch, 0)
+    summary: dict[str, Any] = {"arch": args.arch}
+    if not args.chunk:  # a first kvtier run finds the chunk the prompts are built from
+        first = collect(*spawn(args, "kvtier", None, base + "_probe.json", ""), args.timeout)
+        args.chunk = int(first.get("chunk_tokens") or 0)
+        summary["chunk_probe"] = {k: first.get(k) for k in ("census", "error", "rc", "log")}
+    if not args.chunk:
+        print(f"{args.arch}: no chunk size (the kvtier engine did not start)", flush=True)
+        summary["passed"] = False
+        _write(base + ".json", summary)
+        return 1
+    # every engine at once (the GPU holds them all); the kvtier runs wait for the cold file
+    t0 = time.monotonic()
+    cold_path = base + "_cold.json"
+    runs = {"cold": spawn(args, "cold", None, cold_path, ""),
+            "kvtier": spawn(args, "kvtier", None, base + "_kvtier.json", cold_path)}
+    for neg in args.negative:
+        runs[neg] = spawn(args, "kvtier", neg, base + f"_kvtier_neg_{neg}.json", cold_path)
+    res = {k: collect(*v, args.timeout - (time.monotonic() - t0)) for k, v in runs.items()}
+    summary["cold"] = {k: v for k, v in res["cold"].items()
+                       if k in ("engine_start_s", "error", "rc", "log")}
+    args.cold = cold_path if os.path.exists(cold_path) else ""
+    kv = res["kvtier"]
+    summary["kvtier"] = kv
+    summary["negative"] = {}
+    for neg in args.negative:
+        r = res[neg]
+        failed = any(isinstance(r.get(n), dict) and r[n].get("passed") is False
+                     for n in ("long", "shared_batch"))
+        summary["negative"][neg] = {"check_failed": failed, "as_expected": failed,
+                                    "long": r.get("long"), "error": r.get("error")}
+    def verdict(key: str) -> bool:
+        return all(isinstance(kv.get(n), dict) and kv[n].get(key) and kv[n].get("cold_checked")
+                   for n in ("long", "shared_batch"))
+
+    passed = verdict("passed")
+    summary["passed"] = passed
+    summary["passed_where_vllm_is_exact"] = verdict("passed_where_vllm_is_exact")
+    _write(base + ".json", summary)
+    print(f"{args.arch}: restore check {'PASSED' if passed else 'FAILED'}, where vLLM's own "
+          f"cache equals a recompute: {summary['passed_where_vllm_is_exact']} (cold reference: "
+          f"{bool(args.cold)}); negative controls failed the check: "
+          f"{ {n: v['check_failed'] for n, v in summary['negative'].items()} }", flush=True)
+    return 0 if summary["passed_where_vllm_is_exact"] else 1
+
+
+def _write(path: str, payload: Any) -> None:
+    """Whole or not at all: another process may be waiting for the file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
