@@ -231,3 +231,27 @@ def test_disk_path_checks_name_the_reason(tmp_path: Path) -> None:
         check_disk_path(str(tmp_path / "file" / "tier"), 1 << 20)
     with pytest.raises(ConfigError, match=r"disk_size=1024TiB.*free"):
         check_disk_path(str(tmp_path / "tier"), 1 << 50)
+
+
+def test_disk_settings_go_together_and_carry_units() -> None:
+    from kvtier.config import KvtierConfig
+
+    cfg = KvtierConfig.load({"disk_path": "/data/kv", "disk_size": "500GiB"}, environ={})
+    assert cfg.disk_size == 500 * 2**30
+    with pytest.raises(ConfigError, match="disk_path and disk_size go together"):
+        KvtierConfig.load({"disk_path": "/data/kv"}, environ={})
+    with pytest.raises(ConfigError, match=r"disk_size.*a number and a unit"):
+        KvtierConfig.load({"disk_path": "/data/kv", "disk_size": "500"}, environ={})
+
+
+def test_a_model_with_other_than_full_attention_is_refused(tmp_path: Path) -> None:
+    from kvtier.config import KvtierConfig
+    from kvtier.geometry import Geometry, GroupGeometry
+    from kvtier.layout import GroupKind
+    from kvtier.tiers.setup import open_disk_tier
+
+    geo = Geometry(32, (GroupGeometry(GroupKind.FULL, 16, 4096),
+                        GroupGeometry(GroupKind.SLIDING_WINDOW, 16, 4096, sliding_window=64)))
+    cfg = KvtierConfig(dram_size="4MiB", disk_path=str(tmp_path), disk_size="16MiB")
+    with pytest.raises(ConfigError, match="full-attention chunks only"):
+        open_disk_tier(cfg, geo, NS, geo.slab_layout(cfg, 1), 1)
