@@ -29,6 +29,10 @@ from kvtier.tiers.disk import DiskChunkStore
 from kvtier.tiers.seam import ChunkStore, TierOp, TierPlan, TierRunner
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
 
+PROMOTION_WAIT_S = 0.002
+"""Longest a collect waits for a disk promotion in flight (:meth:`TierRunner.wait_promotions`):
+only while one is, i.e. while a lookup defers for it."""
+
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
 
@@ -184,6 +188,7 @@ class OffloadWorker:
                 self._take(c, out)
         rep.fences_waited, self._fences_waited = self._fences_waited, 0
         if self.tier is not None:
+            self.tier.wait_promotions(PROMOTION_WAIT_S)
             for tc in self.tier.poll():
                 rep.tier.take(tc)
         return out

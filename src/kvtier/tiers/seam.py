@@ -197,7 +197,9 @@ class TierRunner:
         self._jobs: queue.Queue[TierJob | None] = queue.Queue()
         self._done: list[TierCompletion] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a job ended
         self._queued = 0
+        self._promotions = 0  # promotion jobs queued or running
         self.corrupt_reads = 0  # chunks whose stored bytes did not verify, ever
         self.full_writes = 0  # writes declined for want of space, ever
         self._thread = threading.Thread(target=self._loop, name=f"kvtier-{name}", daemon=True)
@@ -212,6 +214,7 @@ class TierRunner:
                                                      error="tier queue full"))
                 return
             self._queued += 1
+            self._promotions += job.kind is TierJobKind.PROMOTE
         self._jobs.put(job)
 
     def poll(self) -> list[TierCompletion]:
@@ -222,6 +225,14 @@ class TierRunner:
     def pending(self) -> int:
         with self._lock:
             return self._queued
+
+    def wait_promotions(self, timeout_s: float) -> None:
+        """While a promotion is queued or running (a lookup waits for it), give this rank's
+        I/O thread up to ``timeout_s``: an engine that spins through empty steps otherwise
+        holds the GIL and starves the reads it waits for. Returns at once without one."""
+        with self._lock:
+            if self._promotions and not self._done:
+                self._changed.wait(timeout_s)
 
     def drain(self, timeout: float = 60.0) -> None:
         """Wait until every queued job ran (shutdown, tests)."""
@@ -244,8 +255,10 @@ class TierRunner:
             done = self._run(job)
             with self._lock:
                 self._queued -= 1
+                self._promotions -= job.kind is TierJobKind.PROMOTE
                 if done is not None:
                     self._done.append(done)
+                self._changed.notify_all()
 
     def _run(self, job: TierJob) -> TierCompletion | None:
         t0 = time.perf_counter()
