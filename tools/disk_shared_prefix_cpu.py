@@ -1,10 +1,10 @@
 """A shared-prefix run on vLLM's CPU build whose working set is 3x the DRAM tier: DRAM only
 against DRAM + disk. Prints one JSON object per configuration.
 
-    python tools/disk_shared_prefix_cpu.py [--prefixes 16] [--disk-dir DIR]
+    python tools/disk_shared_prefix_cpu.py [--prefixes 16] [--layers 2 --hidden 256]
 
-The tiny Llama of kvtier.testing.models (2 layers, 2 KV heads of 64, float32): a chunk is 256
-tokens, 512 KiB; DRAM holds 16 chunks (8MiB); each of the ``prefixes`` prefixes is three
+The tiny Llama of kvtier.testing.models (``layers`` layers, 2 KV heads of hidden/4, float32):
+a chunk is 256 tokens (512 KiB at the defaults); DRAM holds 16 chunks; each of the ``prefixes`` prefixes is three
 chunks, each request a prefix and a 37-token suffix, so 16 prefixes are 48 chunks. Pass 1
 computes every prefix once; HBM is emptied; pass 2 sends each prefix again with a new suffix,
 one request at a time (its latency is its TTFT: one output token). Reported: pass-2 TTFT
@@ -32,16 +32,16 @@ def tokens(n: int, seed: int) -> list[int]:
     return [(seed * 7919 + 31 * i + (i * i) % 97) % 1000 + 3 for i in range(n)]
 
 
-def run(model: str, prefixes: int, disk: str | None) -> dict[str, Any]:
+def run(model: str, prefixes: int, disk: str | None, dram: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     from kvtier.testing.restore import handles, settle, sharpen_dummy_weights
     from tests.e2e.conftest import shutdown
 
-    extra: dict[str, Any] = {"dram_size": "8MiB", "cost_model": False}
+    extra: dict[str, Any] = {"dram_size": dram, "cost_model": False}
     if disk:
-        extra |= {"disk_path": disk, "disk_size": "256MiB"}
+        extra |= {"disk_path": disk, "disk_size": "2GiB"}
     ktc = KVTransferConfig(kv_connector="KvtierConnector",
                            kv_connector_module_path="kvtier.vllm.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -85,11 +85,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
     a = ap.parse_args()
+    # a chunk: layers x (K, V) x 256 tokens x 2 KV heads x hidden/4 x 4 bytes; DRAM: 16 chunks
+    chunk = a.layers * 2 * C * 2 * (a.hidden // 4) * 4
+    dram = f"{16 * chunk // 2**20}MiB"
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_llama(os.path.join(tmp, "model"))
+        model = tiny_llama(os.path.join(tmp, "model"), layers=a.layers, hidden=a.hidden)
         disk = a.disk_dir or os.path.join(tmp, "tier")
-        results = [run(model, a.prefixes, None), run(model, a.prefixes, disk)]
+        results = [run(model, a.prefixes, None, dram), run(model, a.prefixes, disk, dram)]
     same = results[0]["tokens"] == results[1]["tokens"]
     for r in results:
         r.pop("tokens")
