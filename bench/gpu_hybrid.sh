@@ -25,7 +25,7 @@ if [ "$STAGE" = check ]; then
         for n in ${NEG:-}; do negs+=(--negative "$n"); done
         # every engine of every architecture at once: GPU_MEM each
         timeout "${CHECK_TIMEOUT:-420}" python3 tools/gpu_seed_check.py --arch "$a" \
-            --out "$W/seed" --gpu-mem "${GPU_MEM:-0.12}" --timeout $(( ${CHECK_TIMEOUT:-420} - 15 )) \
+            --out "$W/seed" --gpu-mem "${GPU_MEM:-0.14}" --timeout $(( ${CHECK_TIMEOUT:-420} - 15 )) \
             "${negs[@]}" > "$W/$a.log" 2>&1 &
         pids+=($!)
     done

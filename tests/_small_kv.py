@@ -13,7 +13,7 @@ NUM_BLOCKS = 23
 CHUNK_TOKENS = 32  # 2 attention blocks per chunk; a state chunk is one block
 ATTN = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 MIXER = ("model.layers.2.mixer",)
-CONFIG = KvtierConfig(dram_size="1MiB")
+CONFIG = KvtierConfig(dram_size="1MiB", verify_checksums=True)  # the checks under test
 
 
 class SmallKV:

@@ -25,7 +25,8 @@ settings.load_profile("soak" if SOAK else "ci")
 # Files that need TRITON_INTERPRET=1 for the whole process. They run in a subprocess of their
 # own (tests/test_gpu_interpreted.py); collected here they would need the variable in this
 # process, where it would also turn the CUDA tests' kernel into the interpreted one.
-INTERPRETED_FILES = frozenset({"test_gpu_kernels.py", "test_gpu_checksum_kernels.py"})
+INTERPRETED_FILES = frozenset({"test_gpu_kernels.py", "test_gpu_checksum_kernels.py",
+                               "test_gpu_verify.py"})
 
 
 def interpreted_process() -> bool:

@@ -46,7 +46,8 @@ CHUNK = 32
 NUM_BLOCKS = 64
 PROMPT = [100 + (7 * i) % 500 for i in range(97)]  # three whole chunks and a token
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-CONFIG = KvtierConfig(dram_size="4MiB", cost_model=False, prepare_timeout_ms=60_000)
+CONFIG = KvtierConfig(dram_size="4MiB", cost_model=False, prepare_timeout_ms=60_000,
+                      verify_checksums=True)
 
 
 class Tier:

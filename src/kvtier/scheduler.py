@@ -379,7 +379,8 @@ class OffloadScheduler:
         """Keep the chunks that verified pinned for the promise; drop those that did not."""
         st = js.state
         prep = st.preparation if st is not None else None
-        current = prep is not None and prep.job == js.job.job_id and not st.finished
+        current = (prep is not None and prep.job == js.job.job_id and not st.finished
+                   and st.prepare_declined is None)  # else: given up, keep nothing
         if prep is not None and prep.job == js.job.job_id:
             prep.job = None
         keep = []

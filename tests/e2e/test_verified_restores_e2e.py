@@ -25,7 +25,7 @@ C = 256  # chunk tokens (the default for block size 32)
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: str, shutdown_after: list[Any]) -> Any:
-    llm = make_llm(tiny_llama_dir)
+    llm = make_llm(tiny_llama_dir, {"verify_checksums": True})
     shutdown_after.append(llm)
     h = handles(llm)
     sharpen_dummy_weights(h)
