@@ -27,6 +27,13 @@ STATS_KEYS = {
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
     "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
     "prepares", "prepare_deferrals",
+    # the disk tier's (issue 16)
+    "disk_hits", "disk_hit_tokens", "disk_demotions", "disk_demotions_dropped",
+    "disk_evicted_already_stored", "disk_demotion_jobs_failed", "disk_promotions",
+    "disk_promotion_jobs_failed", "disk_checksum_failures", "disk_full", "disk_deferrals",
+    "disk_deferrals_expired", "disk_declined_slower", "disk_bytes_read", "disk_bytes_written",
+    "disk_read_seconds", "disk_write_seconds", "gauge_disk_chunks_stored",
+    "gauge_disk_chunks_total",
 }
 METRIC_NAMES = {
     "lookups", "hits", "hit_tokens", "restored_tokens", "loads", "loads_declined", "saves",
@@ -34,6 +41,9 @@ METRIC_NAMES = {
     "transfer_gbps", "transfer_failures", "fences", "fences_waited", "unsaveable_requests",
     "resets", "slots_used", "slots_total", "occupancy", "chunk_tokens",
     "checksum_failures", "corrupt_chunks", "prepares",  # added with verified restores
+    "disk_hits", "disk_demotions", "disk_promotions", "disk_checksum_failures", "disk_full",
+    "disk_deferrals", "disk_bytes", "disk_seconds", "disk_gbps", "disk_chunks_stored",
+    "disk_chunks_total",
 }
 
 

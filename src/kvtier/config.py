@@ -232,6 +232,28 @@ class KvtierConfig(BaseModel):
         default=False,
         description="Start even if vLLM's kv_load_failure_policy is not 'recompute'.",
     )
+    disk_path: str | None = Field(
+        default=None,
+        description="Directory of the local disk tier under DRAM (a local disk, not tmpfs or "
+        "a network filesystem; one engine per directory). Unset: no disk tier.",
+    )
+    disk_size: PositiveByteSize | None = Field(
+        default=None, description="Bytes the disk tier may use (e.g. '500GiB'); needs disk_path."
+    )
+    disk_max_pending_chunks: Count = Field(
+        default=256, ge=1,
+        description="Chunks in flight to or from the disk tier; beyond, demotions and "
+        "promotions are skipped.",
+    )
+    disk_max_defer_steps: Count = Field(
+        default=10_000, ge=0,
+        description="Engine steps a lookup may wait for chunks read from disk into DRAM.",
+    )
+    disk_max_defer_ms: Number = Field(
+        default=1000.0, ge=0,
+        description="Milliseconds a lookup may wait for chunks read from disk into DRAM; past "
+        "either bound the request goes on with what DRAM holds.",
+    )
     model_revision: str = Field(
         default="", description="Weight revision; part of the key namespace."
     )
@@ -267,6 +289,10 @@ class KvtierConfig(BaseModel):
                 f"gpu_staging_size ({format_bytes(self.gpu_staging_size)}) is larger than "
                 f"dram_size ({format_bytes(self.dram_size)}): write gpu_staging_size of at "
                 f"most {format_bytes(self.dram_size)} (staging only needs a few chunks)"
+            )
+        if (self.disk_path is None) != (self.disk_size is None):
+            raise ValueError(
+                "disk_path and disk_size go together: set both for a disk tier, or neither"
             )
         return self
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.tiers.seam import TierPlan, TierReport
+
 
 class _Named(str, Enum):
     """An enum whose members are their value wherever they are printed or compared."""
@@ -93,6 +95,7 @@ class StepPlan:
     reset: bool = False
     # checks of stored chunks before a hit is promised (JobKind.VERIFY; block ids unused)
     verifies: list[Job] = field(default_factory=list)
+    tier: TierPlan | None = None  # demotions, promotions and deletes of a lower tier
 
 
 @dataclass
@@ -115,6 +118,7 @@ class WorkerReport:
     fences_waited: int = 0
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
     jobs: list[tuple[str, int, float]] = field(default_factory=list)
+    tier: TierReport = field(default_factory=TierReport)
 
     def add(self, other: WorkerReport) -> WorkerReport:
         for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads),
@@ -133,7 +137,8 @@ class WorkerReport:
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
         self.jobs.extend(other.jobs)
+        self.tier.add(other.tier)
         return self
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.verifies)
+        return not (self.saves or self.loads or self.verifies or self.tier.jobs)

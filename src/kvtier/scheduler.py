@@ -53,6 +53,7 @@ from kvtier.policy import make_admission, make_policy
 from kvtier.prepare import ChunkRef, Preparation
 from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
+from kvtier.tiers.schedule import LowerTier, TierScheduler
 
 
 @dataclass
@@ -165,6 +166,7 @@ class OffloadScheduler:
         prepare_hits: bool = False,
         clock: Callable[[], float] = time.monotonic,
         draft_lookahead: int = 0,
+        lower: LowerTier | None = None,
     ) -> None:
         """``prepare_hits``: verify a hit's chunks on the workers before promising it
         (:mod:`kvtier.prepare`; where a load cannot fail once promised). ``clock``: seconds,
@@ -214,6 +216,10 @@ class OffloadScheduler:
         self._pending_load_chunks = 0
         self._pinned_chunks = 0
         self.stats = SchedulerStats()
+        # a lower tier (the disk) below the slab: demotions, promotions (kvtier.tiers.schedule)
+        self.tier = None if lower is None else TierScheduler(
+            lower, self.index, self.allocator, self.slot_class, geometry, config,
+            self.estimates, world_size, self._job_ids)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -224,6 +230,8 @@ class OffloadScheduler:
             old.finished = True
             old.pending_hit = None
             self._release_preparation(old)
+        if self.tier is not None:
+            self.tier.forget_request(req_id)
         keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys,
                            lookahead=self.draft_lookahead)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
@@ -233,9 +241,16 @@ class OffloadScheduler:
     def lookup(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int | None:
         """Tokens kvtier will load beyond ``hbm_tokens`` for a request whose known tokens
         are ``tokens`` (0: compute them; None: ask again next step, the hit is being
-        prepared). The decision is final once the engine allocates."""
+        prepared, or promoted from a lower tier into DRAM: a hit is promised only for bytes
+        already in DRAM). The decision is final once the engine allocates."""
         st = self.requests[req_id]
+        if self.tier is not None and self.tier.deferring(req_id, self._step):
+            return None
         hit = self._decide(st, tokens, hbm_tokens)
+        if self.tier is not None and self.tier.promote(
+                req_id, st.keys.keys, len(tokens), hbm_tokens, hit, self._step):
+            st.pending_hit = None
+            return None
         if hit.ok and self.prepare_hits:
             prepared = self._prepare(st, hit, hbm_tokens)
             if prepared is None:
@@ -310,6 +325,8 @@ class OffloadScheduler:
         self.stats.loads_started += 1
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
+        if self.tier is not None:
+            self.tier.note_load(req_id, hit.tokens)
         return job
 
     def _hit_chunks(self, hit: Hit, hbm_tokens: int) -> list[tuple[int, range]]:
@@ -549,7 +566,9 @@ class OffloadScheduler:
         for job in self._step_loads + self._step_saves + self._step_verifies:
             self.jobs[job.job_id].step = self._step
         plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
-                        self._reset_pending, self._step_verifies)
+                        self._reset_pending, self._step_verifies,
+                        self.tier.take_plan(len(self._step_saves)) if self.tier is not None
+                        else None)
         self._step_loads, self._step_saves, self._step_verifies = [], [], []
         self._step_allocated = [set() for _ in self.geometry.groups]
         self._step_preempted = set()
@@ -557,6 +576,8 @@ class OffloadScheduler:
         return plan
 
     def on_report(self, report: WorkerReport) -> None:
+        if self.tier is not None and (report.tier.jobs or report.tier.full):
+            self.tier.on_report(report.tier)
         self.stats.checksum_failures += report.checksum_failures
         for job_id, pairs in report.corrupt.items():
             js = self.jobs.get(job_id)
@@ -648,17 +669,22 @@ class OffloadScheduler:
         st.finished = True
         st.pending_hit = None
         self._release_preparation(st)
+        if self.tier is not None:
+            self.tier.forget_request(req_id)
         if self._idle(st):
             del self.requests[req_id]
 
     def reset(self) -> None:
         """Drop every stored chunk; in-flight writes and loads end normally but store nothing."""
         self.index.reset()
+        if self.tier is not None:
+            self.tier.catalog.index.reset()  # the files go with the next plan's deletes
         self._reset_pending = True
         self.stats.resets += 1
 
     def has_pending_work(self) -> bool:
-        return bool(self.jobs or self._step_loads or self._step_saves or self._step_verifies)
+        return bool(self.jobs or self._step_loads or self._step_saves or self._step_verifies
+                    or (self.tier is not None and self.tier.has_pending_work()))
 
     def observe_step(self, seconds: float, prefill_tokens: int) -> None:
         self.estimates.observe_step(seconds)
@@ -681,5 +707,7 @@ class OffloadScheduler:
         assert self._pending_save_chunks == 0 and self._pending_load_chunks == 0
         assert self._pinned_chunks == 0 and self.index.stats().pinned == 0
         assert not self.requests, f"request state left: {sorted(self.requests)}"
+        if self.tier is not None:
+            self.tier.check_drained()
         self.index.check_invariants()
 

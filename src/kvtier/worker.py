@@ -17,19 +17,36 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.geometry import Geometry
 from kvtier.layout import Layout
 from kvtier.log import get_logger
-from kvtier.protocol import Job, JobKind, StepPlan, WorkerReport
+from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
 from kvtier.shm import SharedSlab
 from kvtier.slab import HostSlab, Pinner
+from kvtier.tiers.disk import DiskChunkStore
+from kvtier.tiers.seam import ChunkStore, TierOp, TierPlan, TierRunner
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+
+PROMOTION_WAIT_S = 0.002
+"""Longest a collect waits for a disk promotion in flight (:meth:`TierRunner.wait_promotions`):
+only while one is, i.e. while a lookup defers for it."""
 
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
 
 logger = get_logger("worker")
+
+TierStoreFactory = Callable[[TierPlan, int], ChunkStore]
+"""(the plan's tier, this rank's shard) -> the store a lower tier's jobs run against."""
+
+
+def disk_store(plan: TierPlan, shard: int) -> ChunkStore:
+    """The disk tier's store of one shard (the default)."""
+    from pathlib import Path
+
+    return DiskChunkStore(Path(plan.root), shard, plan.namespace)
 
 
 @dataclass
@@ -68,6 +85,7 @@ class OffloadWorker:
         shared: SharedSlab | None = None,
         pinner: Pinner | None = None,
         engine_factory: Callable[[ChunkMover], TransferEngine] | None = None,
+        tier_store: TierStoreFactory = disk_store,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -99,6 +117,9 @@ class OffloadWorker:
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
+        self._tier_store = tier_store
+        self.tier: TierRunner | None = None  # made by the first plan that has tier jobs
+        self._shard = shard
 
     # -- the step ---------------------------------------------------------------------------
     def fence(self, plan: StepPlan) -> None:
@@ -121,6 +142,25 @@ class OffloadWorker:
             self._load_reqs[job.job_id] = (job.req_id, [])
             self._inflight[job.job_id] = self._collects
             self.engine.verify(job)
+        if plan.tier is not None:
+            self._submit_tier(plan.tier)
+
+    def _submit_tier(self, plan: TierPlan) -> None:
+        """Queue a lower tier's jobs on its own I/O thread (never waited for here)."""
+        if self.tier is None:
+            slot_class = self.geometry.slot_classes
+            self.tier = TierRunner(
+                self._tier_store(plan, self._shard),
+                lambda g, slot: self.slab.view(slot_class[g], slot, self._shard),
+                moves=self.writes, max_jobs=self.config.disk_max_pending_chunks + 64,
+                on_promoted=self._promoted if self.mover.verify else None)
+        for job in plan.jobs:
+            self.tier.submit(job)
+
+    def _promoted(self, op: TierOp) -> None:
+        """A slot filled from the tier (its bytes verified there) gets its slab checksums,
+        as a save's slot does, so the load that follows verifies it like any other."""
+        self.mover.store_sums(TransferOp(op.group, op.slot, [], key_seed(op.key)))
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""
@@ -147,6 +187,10 @@ class OffloadWorker:
                     self.requeried += 1
                 self._take(c, out)
         rep.fences_waited, self._fences_waited = self._fences_waited, 0
+        if self.tier is not None:
+            self.tier.wait_promotions(PROMOTION_WAIT_S)
+            for tc in self.tier.poll():
+                rep.tier.take(tc)
         return out
 
     def _take(self, c: Completion, out: StepResult) -> None:
@@ -205,13 +249,18 @@ class OffloadWorker:
                            "%s", self.rank, what, req_id, shown, more, n, then)
 
     def pending(self) -> int:
-        return self.engine.pending() + len(self._reported_nowrite)
+        tier = self.tier.pending() if self.tier is not None else 0
+        return self.engine.pending() + len(self._reported_nowrite) + tier
 
     def drain(self) -> None:
         """Wait until every submitted transfer finished (reported at the next collect)."""
         self.engine.drain()
+        if self.tier is not None:
+            self.tier.drain()
 
     def close(self) -> None:
         self.engine.close()
+        if self.tier is not None:
+            self.tier.close()
         self.slab.close()
 

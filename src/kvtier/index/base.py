@@ -38,7 +38,8 @@ from kvtier.protocol import SaveDrop
 class Entry:
     """One stored chunk. Mutated only by its index."""
 
-    __slots__ = ("children", "doomed", "group", "key", "parent", "pins", "ready", "slot")
+    __slots__ = ("children", "doomed", "group", "key", "leaving", "parent", "pins", "ready",
+                 "slot")
 
     def __init__(self, group: int, key: bytes, slot: int, parent: Entry | None) -> None:
         self.group = group
@@ -49,6 +50,7 @@ class Entry:
         self.pins = 0
         self.ready = False
         self.doomed = False
+        self.leaving = False  # on its way to a lower tier (MemoryIndex.begin_leave)
 
     def __repr__(self) -> str:
         state = "doomed" if self.doomed else ("ready" if self.ready else "writing")

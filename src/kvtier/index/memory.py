@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.index.base import Entry, Index, IndexStats
@@ -33,9 +33,11 @@ class GroupIndexSpec:
 
 
 class MemoryIndex(Index):
-    def __init__(self, groups: Sequence[GroupIndexSpec], allocator: SlotAllocator) -> None:
+    def __init__(self, groups: Sequence[GroupIndexSpec], allocator: SlotAllocator,
+                 on_free: Callable[[int, bytes], None] | None = None) -> None:
         self.groups = list(groups)
         self.allocator = allocator
+        self.on_free = on_free  # (group, key) of every entry whose slot is freed
         self._entries: list[dict[bytes, Entry]] = [{} for _ in self.groups]
         self._doomed: set[Entry] = set()
         self._pinned_entries = 0
@@ -156,8 +158,39 @@ class MemoryIndex(Index):
         policy = self.groups[group].policy
         entries = self._entries[group]
         for k in reversed(keys):
-            if k in entries and entries[k].ready:
+            e = entries.get(k)
+            if e is not None and e.ready and not e.leaving:
                 policy.touch(k)
+
+    # -- leaving for a lower tier ---------------------------------------------------------
+    def begin_leave(self, group: int) -> Entry | None:
+        """The chunk eviction would take next in ``group``, held for a copy to a lower tier:
+        it leaves the policy (no eviction takes it twice) and gets a pin (its slot is not
+        reused, a reset dooms it without freeing the slot), but stays READY and visible, so
+        hits still load it. None if nothing may leave. End with :meth:`end_leave`."""
+        key = self.groups[group].policy.victim(lambda k: self._evictable(group, k))
+        if key is None:
+            return None
+        e = self._entries[group][key]  # type: ignore[index]
+        e.leaving = True
+        self.pin(group, [e.key])
+        return e
+
+    def end_leave(self, entry: Entry) -> bool:
+        """The copy ended (or was not needed): the chunk leaves and its slot is freed, unless a
+        load pinned it or a child was stored under it meanwhile (then it stays, back in the
+        policy). Returns whether it left."""
+        entry.leaving = False
+        self.unpin([entry])
+        if entry.doomed:
+            return True
+        if entry.pins or entry.children:
+            parent = entry.parent.key if entry.parent is not None else None
+            self.groups[entry.group].policy.insert(entry.key, parent)
+            return False
+        self._remove(entry)
+        self.evictions += 1
+        return True
 
     # -- removal --------------------------------------------------------------------------
     def _evictable(self, group: int, key: object) -> bool:
@@ -188,6 +221,8 @@ class MemoryIndex(Index):
         spec.policy.remove(e.key)
         self._detach(e)
         self.allocator.free(spec.slot_class, e.slot)
+        if self.on_free is not None:
+            self.on_free(e.group, e.key)
         if spec.chained or spec.boundary_state:
             self._drop_state_set(e.key)
 
@@ -256,6 +291,8 @@ class MemoryIndex(Index):
             return
         self._doomed.discard(e)
         self.allocator.free(self.groups[e.group].slot_class, e.slot)
+        if self.on_free is not None:
+            self.on_free(e.group, e.key)
 
     def reset(self) -> int:
         dropped = sum(len(es) for es in self._entries)  # counted first: dooms cascade
@@ -291,7 +328,8 @@ class MemoryIndex(Index):
                     assert es.get(e.parent.key) is e.parent, f"{e} is an orphan"
                     assert e in (e.parent.children or []), f"{e} missing from its parent"
                 assert not e.pins or e.ready, f"{e} pinned while writing"
-                assert (e.key in spec.policy) == e.ready, f"{e} policy membership wrong"
+                assert (e.key in spec.policy) == (e.ready and not e.leaving), \
+                    f"{e} policy membership wrong"
         for e in self._doomed:
             cls = used.setdefault(self.groups[e.group].slot_class, set())
             assert e.slot not in cls, f"doomed {e} shares a slot"

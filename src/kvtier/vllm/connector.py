@@ -154,6 +154,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         self.worker_side.shutdown()
+        self.scheduler_side.shutdown()
 
     # -- both: stats ------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KvtierStats | None:

@@ -92,6 +92,21 @@ def _failures(report: Any) -> int:
             + sum(f for _, f in report.loads.values()))
 
 
+def _tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Read a disk-tier statistic of the scheduler (0 without a disk tier)."""
+    return lambda s: read(s.tier.stats) if s.tier is not None else 0
+
+
+def _disk_stored(s: Any) -> int:
+    if s.tier is None:
+        return 0
+    return sum(s.tier.catalog.stored(g) for g in s.geometry.full_groups)
+
+
+def _disk_total(s: Any) -> int:
+    return s.tier.catalog.capacity * len(s.geometry.full_groups) if s.tier is not None else 0
+
+
 def _occupancy(data: dict[str, Any]) -> float | None:
     used, total = data.get("gauge_slots_used"), data.get("gauge_slots_total")
     return used / total if used is not None and total else None
@@ -189,6 +204,62 @@ METRICS: tuple[Metric, ...] = (
            series=_one("", _occupancy)),
     Metric("chunk_tokens", GAUGE, SCHEDULER, "Tokens per stored chunk.",
            series=_one("gauge_chunk_tokens", lambda s: s.geometry.chunk_tokens)),
+    Metric("disk_hits", COUNTER, SCHEDULER,
+           "Loads whose chunks were promoted from the disk tier for them, and their tokens "
+           "beyond what DRAM held.", label="unit", series=(
+               Series("disk_hits", "loads", _tier(lambda t: t.hits)),
+               Series("disk_hit_tokens", "tokens", _tier(lambda t: t.hit_tokens)))),
+    Metric("disk_demotions", COUNTER, SCHEDULER,
+           "Chunks leaving DRAM, by outcome: committed to disk, dropped (no room or budget: "
+           "lost to the tier), already on disk, or in a failed demotion job.", label="outcome",
+           series=(Series("disk_demotions", "committed", _tier(lambda t: t.demotions)),
+                   Series("disk_demotions_dropped", "dropped",
+                          _tier(lambda t: t.demotions_dropped)),
+                   Series("disk_evicted_already_stored", "already_stored",
+                          _tier(lambda t: t.evicted_already_stored)),
+                   Series("disk_demotion_jobs_failed", "job_failed",
+                          _tier(lambda t: t.demotion_jobs_failed)))),
+    Metric("disk_promotions", COUNTER, SCHEDULER,
+           "Chunks promoted from disk into DRAM before a hit was promised, and failed "
+           "promotion jobs.", label="outcome",
+           series=(Series("disk_promotions", "committed", _tier(lambda t: t.promotions)),
+                   Series("disk_promotion_jobs_failed", "job_failed",
+                          _tier(lambda t: t.promotion_jobs_failed)))),
+    Metric("disk_checksum_failures", COUNTER, SCHEDULER,
+           "Disk chunks whose bytes did not verify on read (a miss; the chunk is forgotten).",
+           series=_one("disk_checksum_failures", _tier(lambda t: t.checksum_failures))),
+    Metric("disk_full", COUNTER, SCHEDULER,
+           "Demotion jobs the disk declined for want of space (a clean decline).",
+           series=_one("disk_full", _tier(lambda t: t.tier_full))),
+    Metric("disk_deferrals", COUNTER, SCHEDULER,
+           "Lookups answered 'ask again' while a promotion ran, requests that went on without "
+           "it past the bound, and promotions the cost model declined.", label="kind",
+           series=(Series("disk_deferrals", "deferred", _tier(lambda t: t.deferrals)),
+                   Series("disk_deferrals_expired", "expired",
+                          _tier(lambda t: t.deferrals_expired)),
+                   Series("disk_declined_slower", "declined_slower",
+                          _tier(lambda t: t.declined_slower)))),
+    Metric("disk_bytes", COUNTER, SCHEDULER,
+           "Bytes the disk tier read (promotions) and wrote (demotions), summed over ranks.",
+           label="direction",
+           series=(Series("disk_bytes_read", "read", _tier(lambda t: t.bytes_read)),
+                   Series("disk_bytes_written", "write", _tier(lambda t: t.bytes_written)))),
+    Metric("disk_seconds", COUNTER, SCHEDULER,
+           "Seconds the disk tier's reads and writes took, summed over ranks.",
+           label="direction",
+           series=(Series("disk_read_seconds", "read", _tier(lambda t: t.read_seconds)),
+                   Series("disk_write_seconds", "write", _tier(lambda t: t.write_seconds)))),
+    Metric("disk_gbps", GAUGE, DERIVED,
+           "GB/s of the disk tier in the latest stats interval that moved bytes, per direction "
+           "(per rank).", label="direction",
+           series=(Series("", "read",
+                          lambda d: _gbps(d, "disk_bytes_read", "disk_read_seconds")),
+                   Series("", "write",
+                          lambda d: _gbps(d, "disk_bytes_written", "disk_write_seconds")))),
+    Metric("disk_chunks_stored", GAUGE, SCHEDULER, "Chunks the disk tier holds (all groups).",
+           series=_one("gauge_disk_chunks_stored", _disk_stored)),
+    Metric("disk_chunks_total", GAUGE, SCHEDULER, "Chunks the disk tier has room for.",
+           series=_one("gauge_disk_chunks_total", _disk_total)),
 )
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from kvtier.scheduler import (
     ScheduledTokens,
     StepInput,
 )
+from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
 from kvtier.vllm.counters import scheduler_counts
 from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
@@ -45,6 +46,7 @@ class SchedulerSide:
     def __init__(self, setup: ConnectorSetup) -> None:
         self.setup = setup
         self.scheduler: OffloadScheduler | None = None  # made at the handshake
+        self.disk: DiskTier | None = None  # the disk tier, if disk_path is set
         self.requests: dict[str, Any] = {}  # vLLM's request objects, by id
         self._deferrals = 0
         self._last_output = time.monotonic()
@@ -222,11 +224,15 @@ class SchedulerSide:
             model_revision=setup.config.model_revision, tp_size=setup.tp_size,
             extra=setup.config.namespace_extra,
         ).digest()
+        if setup.config.disk_path is not None:
+            with startup.failures():  # disk_path, disk_size, the lock, the index rebuild
+                self.disk = open_disk_tier(setup.config, geometry, ns, slab_layout, num_shards)
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
                                           prepare_hits=prepares_hits(setup),
-                                          draft_lookahead=setup.draft_lookahead)
+                                          draft_lookahead=setup.draft_lookahead,
+                                          lower=self.disk.lower if self.disk else None)
         for req in list(self.requests.values()):
             self._ensure_request(req)
         logger.info("kvtier: %d chunk slots per group of %d tokens, %s%s",
@@ -247,6 +253,11 @@ class SchedulerSide:
         counts = scheduler_counts(self.scheduler) if self.scheduler is not None else {}
         before, self._last_counts = self._last_counts, counts
         return stats_payload(counts, before)
+
+    def shutdown(self) -> None:
+        """Release the disk tier's directory lock (the next engine may use it)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def reset_cache(self) -> bool | None:
         if self.scheduler is not None:

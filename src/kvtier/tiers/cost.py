@@ -1,0 +1,61 @@
+"""What reading a chunk from a lower tier costs: measured bandwidth and per-chunk latency,
+seeded by a start-up probe of the tier itself and refined by every promotion.
+
+The planner (:func:`promotion_pays`) promotes from a tier only when restoring through it beats
+both recomputing the tokens and the shorter hit DRAM holds: a promotion costs its reads, one
+engine step of deferral, then the load from DRAM like any hit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.tiers.seam import ChunkStore
+
+PROBE_KEY = bytes(range(16))
+
+
+@dataclass
+class TierCost:
+    gbps: float  # sequential read bandwidth of one rank
+    latency_s: float  # per chunk read, beyond its bytes
+    alpha: float = 0.2
+
+    def read_seconds(self, nbytes: int, chunks: int) -> float:
+        return chunks * self.latency_s + nbytes / (self.gbps * 1e9)
+
+    def observe(self, nbytes: int, chunks: int, seconds: float) -> None:
+        """A promotion of ``chunks`` chunks, ``nbytes`` bytes, took ``seconds`` on one rank."""
+        if nbytes <= 0 or seconds <= 0 or chunks <= 0:
+            return
+        transfer = max(seconds - chunks * self.latency_s, seconds * 0.1)
+        self.gbps += self.alpha * (nbytes / transfer / 1e9 - self.gbps)
+
+
+def probe(store: ChunkStore, chunk_bytes: int, chunks: int = 4, group: int = 0) -> TierCost:
+    """Write and read ``chunks`` chunks of ``chunk_bytes`` and a one-page chunk through
+    ``store``: the read time of the small one is the latency, the rest the bandwidth. The probe
+    chunks are deleted again (they live under a key no chunk hashes to)."""
+    big = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8)
+    small = big[:4096].clone()
+    out = torch.empty_like(big)
+    keys = [PROBE_KEY[:-1] + bytes([i]) for i in range(chunks + 1)]
+    try:
+        store.put(group, keys[0], None, small)
+        for k in keys[1:]:
+            store.put(group, k, None, big)
+        t0 = time.perf_counter()
+        store.get(group, keys[0], None, out[:4096])
+        latency = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for k in keys[1:]:
+            store.get(group, k, None, out)
+        seconds = time.perf_counter() - t0
+    finally:
+        for k in keys:
+            store.delete(group, k, None)
+    transfer = max(seconds - chunks * latency, seconds * 0.1)
+    return TierCost(gbps=chunks * chunk_bytes / transfer / 1e9, latency_s=latency)

@@ -1,0 +1,387 @@
+"""The scheduler half's side of a lower tier: what to demote, what to promote, and when a
+lookup waits for a promotion.
+
+- **Demotion** (slab -> tier), never on the step loop and never blocking a save or a load:
+  once per step, in every full-attention group whose free slots fell below a low watermark
+  (:func:`low_watermark`), the chunk eviction would take next is held (``begin_leave``: it
+  stays readable, its slot is not reused) and copied by the workers to the tier together with
+  its ancestors the tier lacks (the tier, like DRAM, never holds orphans); when every rank
+  reported the copy, the tier commits it and the DRAM slot is freed (unless a load pinned the
+  chunk or a child was stored under it meanwhile: then it stays). A save that finds no free
+  slot still evicts at once (that chunk is lost to the tier, and counted): saves never wait.
+- **Promotion** (tier -> slab) before anything is promised: when the tier extends the hit
+  DRAM can give and restoring through it pays (:func:`promotion_pays`), DRAM slots are
+  reserved for the missing chunks, the workers fill them from the tier, verifying every
+  checksum, and the lookup answers ``None`` (ask again next step) until the promotion is
+  committed; then the hit is an ordinary DRAM hit. Past ``disk_max_defer_steps`` steps or
+  ``disk_max_defer_ms`` milliseconds the request goes on with what DRAM holds (the promotion
+  still lands, for later requests). A request promotes at most once per lifecycle.
+- Chunks whose tier copy did not verify are forgotten by the tier (with their descendants),
+  counted, and logged once each by the worker; their DRAM slots are released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config import KvtierConfig
+from kvtier.geometry import Geometry
+from kvtier.index.base import Entry
+from kvtier.index.memory import MemoryIndex
+from kvtier.planner import CostEstimates, Decline, Hit, find_hit, load_cost
+from kvtier.slab import SlotAllocator
+from kvtier.tiers.catalog import TierCatalog
+from kvtier.tiers.cost import TierCost
+from kvtier.tiers.seam import TierJob, TierJobKind, TierOp, TierPlan, TierReport
+
+IMPROVABLE = (None, Decline.MISS, Decline.NOT_BEYOND_HBM, Decline.NOT_WORTH_IT)
+"""DRAM answers a promotion may improve on (others: bounds, failures, unsaveable requests)."""
+
+
+def low_watermark(num_slots: int, max_pending: int, burst: int = 0) -> int:
+    """Free slots (counting those on their way out) below which a group demotes: room for
+    the largest step of saves seen lately (``burst`` chunks, so a prefill's saves find free
+    slots instead of evicting chunks that never reach the tier) or 1/32 of the slots, at
+    least one; at most a quarter of the slots and what may be in flight."""
+    want = max(num_slots // 32, burst + 1)
+    return max(1, min(want, num_slots // 4, max_pending))
+
+
+@dataclass
+class LowerTier:
+    """A lower tier as the scheduler half gets it: where it is, what it holds, what it costs,
+    and the bytes one rank moves per chunk of each group."""
+
+    name: str
+    root: str
+    namespace: bytes
+    catalog: TierCatalog
+    cost: TierCost
+    chunk_bytes: Sequence[int]
+
+
+@dataclass
+class TierStats:
+    demotions: int = 0  # chunks committed to the tier
+    demotion_jobs_failed: int = 0
+    demotions_dropped: int = 0  # chunks that left DRAM uncopied (no room or budget)
+    evicted_already_stored: int = 0  # left DRAM with their copy already on the tier
+    promotions: int = 0  # chunks committed to DRAM from the tier
+    promotion_jobs_failed: int = 0
+    checksum_failures: int = 0  # chunks whose tier copy did not verify (all ranks)
+    tier_full: int = 0  # writes the tier declined for want of space
+    deferrals: int = 0  # lookups answered None while a promotion ran
+    deferrals_expired: int = 0  # requests that went on without their promotion
+    declined_slower: int = 0  # promotions declined by the cost model
+    hits: int = 0  # loads that restored chunks promoted for them
+    hit_tokens: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+
+
+@dataclass
+class _TierJobState:
+    job: TierJob
+    catalog_entries: list[Entry]
+    dram_entries: list[Entry]  # promote: reserved slots; demote: pinned ancestors
+    leaving: Entry | None = None  # demote: the chunk on its way out
+    req_id: str = ""
+    ok: int = 0
+    failed: int = 0
+    corrupt: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Deferral:
+    job_id: int
+    step: int
+    since: float
+    tokens: int  # tokens the promotion adds to the DRAM hit
+    done: bool = False
+    ok: bool = False
+    expired: bool = False
+
+
+class TierScheduler:
+    def __init__(self, tier: LowerTier, dram: MemoryIndex, allocator: SlotAllocator,
+                 slot_class: Sequence[int], geometry: Geometry, config: KvtierConfig,
+                 estimates: CostEstimates, world_size: int, job_ids: itertools.count) -> None:
+        self.tier = tier
+        self.catalog = tier.catalog
+        self.dram = dram
+        self.allocator = allocator
+        self.slot_class = list(slot_class)
+        self.geometry = geometry
+        self.config = config
+        self.estimates = estimates
+        self.world_size = world_size
+        self._job_ids = job_ids
+        self.jobs: dict[int, _TierJobState] = {}
+        self._queued: list[TierJob] = []
+        self._leaving = [0] * len(geometry.groups)
+        self._pending_chunks = 0
+        self._bursts: deque[int] = deque([0], maxlen=32)  # chunks saved per recent step
+        self.deferrals: dict[str, _Deferral | None] = {}  # None: no promotion this lifecycle
+        self.stats = TierStats()
+
+    # -- demotion ---------------------------------------------------------------------------
+    def plan_demotions(self, saves: int = 0) -> None:
+        """Demote where DRAM runs low; ``saves``: chunks this step saves (the burst)."""
+        budget = self.config.disk_max_pending_chunks
+        self._bursts.append(saves)
+        burst = max(self._bursts)
+        for g in self.geometry.full_groups:
+            cls = self.slot_class[g]
+            low = low_watermark(self.allocator.num_slots(cls), budget, burst)
+            while (self.allocator.num_free(cls) + self._leaving[g] < low
+                   and self._pending_chunks < budget):
+                e = self.dram.begin_leave(g)
+                if e is None:
+                    break
+                self._demote(g, e, budget - self._pending_chunks)
+
+    def _demote(self, g: int, e: Entry, budget: int) -> None:
+        chain: list[Entry] = []
+        x: Entry | None = e
+        while x is not None and self.catalog.index.get(g, x.key) is None:
+            chain.append(x)
+            x = x.parent
+        chain.reverse()
+        if not chain:
+            self.dram.end_leave(e)
+            self.stats.evicted_already_stored += 1
+            return
+        if len(chain) > budget or not all(c.ready for c in chain):
+            self.dram.end_leave(e)
+            self.stats.demotions_dropped += 1
+            return
+        reserved: list[Entry] = []
+        for c in chain:
+            r = self.catalog.reserve(g, c.key, c.parent.key if c.parent is not None else None)
+            if not isinstance(r, Entry):
+                for done in reversed(reserved):
+                    self.catalog.index.abort(done)
+                self.dram.end_leave(e)
+                self.stats.demotions_dropped += 1
+                return
+            reserved.append(r)
+        ancestors = self.dram.pin(g, [c.key for c in chain[:-1]])
+        ops = [TierOp(g, c.slot, c.key, c.parent.key if c.parent is not None else None)
+               for c in chain]
+        job = TierJob(next(self._job_ids), TierJobKind.DEMOTE, ops)
+        self.jobs[job.job_id] = _TierJobState(job, reserved, ancestors, leaving=e)
+        self._leaving[g] += 1
+        self._pending_chunks += len(ops)
+        self._queued.append(job)
+
+    # -- promotion --------------------------------------------------------------------------
+    def deferring(self, req_id: str, step: int) -> bool:
+        """Whether the lookup of ``req_id`` waits (None) for its promotion this time."""
+        d = self.deferrals.get(req_id)
+        if d is None or d.done or d.expired:
+            return False
+        waited_ms = (time.monotonic() - d.since) * 1e3
+        if (step - d.step > self.config.disk_max_defer_steps
+                or waited_ms > self.config.disk_max_defer_ms):
+            d.expired = True
+            self.stats.deferrals_expired += 1
+            return False
+        self.stats.deferrals += 1
+        return True
+
+    def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
+                dram_hit: Hit, step: int) -> bool:
+        """Start a promotion for this lookup if the tier extends ``dram_hit`` and that pays;
+        True: the lookup defers."""
+        if req_id in self.deferrals or dram_hit.reason not in IMPROVABLE:
+            return False
+        view = _Tiered(self.dram, self.catalog.index)
+        tiered = find_hit(view, self.geometry, keys, num_tokens, hbm_tokens)  # type: ignore[arg-type]
+        have = dram_hit.boundary if dram_hit.ok else hbm_tokens // self.geometry.chunk_tokens
+        if not tiered.ok or tiered.boundary <= have:
+            return False
+        todo = self._missing(keys, tiered.boundary)
+        if self._pending_chunks + sum(len(js) for _, js in todo) > self.config.disk_max_pending_chunks:
+            return False
+        if self.config.cost_model and not self._pays(tiered, dram_hit, hbm_tokens, todo):
+            self.stats.declined_slower += 1
+            self.deferrals[req_id] = None
+            return False
+        job = self._start_promotion(req_id, keys, todo)
+        if job is None:
+            return False
+        self.deferrals[req_id] = _Deferral(job.job_id, step, time.monotonic(),
+                                           tiered.tokens - dram_hit.tokens)
+        self.stats.deferrals += 1
+        return True
+
+    def _missing(self, keys: Sequence[bytes], boundary: int) -> list[tuple[int, list[int]]]:
+        """Per full group, the chunks below ``boundary`` that DRAM lacks (the tier has them)."""
+        out = []
+        for g in self.geometry.full_groups:
+            js = [j for j in range(boundary) if self.dram.get(g, keys[j]) is None]
+            out.append((g, js))
+        return out
+
+    def _pays(self, tiered: Hit, dram_hit: Hit, hbm: int,
+              todo: list[tuple[int, list[int]]]) -> bool:
+        est = self.estimates
+        nbytes = sum(self.tier.chunk_bytes[g] * len(js) for g, js in todo)
+        chunks = max((len(js) for _, js in todo), default=0)
+        via = load_cost(self.geometry, tiered, hbm, est)
+        tier_s = self.tier.cost.read_seconds(nbytes, chunks) + est.step_seconds
+        saving = via.recompute_seconds - via.load_seconds - tier_s
+        dram_saving = 0.0
+        if dram_hit.ok:
+            d = load_cost(self.geometry, dram_hit, hbm, est)
+            dram_saving = d.recompute_seconds - d.load_seconds
+        return saving > max(dram_saving, 0.0)
+
+    def _start_promotion(self, req_id: str, keys: Sequence[bytes],
+                         todo: list[tuple[int, list[int]]]) -> TierJob | None:
+        ops: list[TierOp] = []
+        dram: list[Entry] = []
+        cat: list[Entry] = []
+        for g, js in todo:
+            for j in js:
+                parent = keys[j - 1] if j else None
+                e = self.dram.reserve(g, keys[j], parent)
+                if not isinstance(e, Entry):
+                    break  # DRAM is full of pinned or writing chunks: promote what fits
+                dram.append(e)
+                cat += self.catalog.index.pin(g, [keys[j]])
+                ops.append(TierOp(g, e.slot, keys[j], parent))
+        if not ops:
+            return None
+        job = TierJob(next(self._job_ids), TierJobKind.PROMOTE, ops)
+        self.jobs[job.job_id] = _TierJobState(job, cat, dram, req_id=req_id)
+        self._pending_chunks += len(ops)
+        self._queued.append(job)
+        return job
+
+    def note_load(self, req_id: str, tokens: int) -> None:
+        """A load of ``tokens`` was promised: a hit of the tier if a promotion served it."""
+        d = self.deferrals.get(req_id)
+        if d is not None and d.ok:
+            self.stats.hits += 1
+            self.stats.hit_tokens += min(tokens, d.tokens)
+
+    def forget_request(self, req_id: str) -> None:
+        self.deferrals.pop(req_id, None)
+
+    # -- the step and completions -----------------------------------------------------------
+    def take_plan(self, saves: int = 0) -> TierPlan | None:
+        """The step's tier jobs; ``saves``: chunks this step saves."""
+        self.plan_demotions(saves)
+        jobs, self._queued = self._queued, []
+        deletes = self.catalog.take_deletes()
+        if deletes:
+            jobs.append(TierJob(0, TierJobKind.DELETE, deletes))  # no completion
+        if not jobs:
+            return None
+        return TierPlan(self.tier.root, self.tier.namespace, jobs)
+
+    def on_report(self, report: TierReport) -> None:
+        self.stats.tier_full += report.full
+        self.stats.bytes_read += report.bytes_promoted
+        self.stats.read_seconds += report.promote_seconds
+        self.stats.bytes_written += report.bytes_demoted
+        self.stats.write_seconds += report.demote_seconds
+        for job_id, ops in report.corrupt.items():
+            js = self.jobs.get(job_id)
+            if js is not None:
+                js.corrupt.update(ops)
+        for job_id, (ok, failed) in report.jobs.items():
+            js = self.jobs.get(job_id)
+            if js is None:
+                raise RuntimeError(f"a worker reported unknown tier job {job_id}")
+            js.ok += ok
+            js.failed += failed
+            if js.ok + js.failed > self.world_size:
+                raise RuntimeError(f"tier job {job_id} reported more than once per rank")
+            if js.ok + js.failed == self.world_size:
+                self._finish(js, report)
+
+    def _finish(self, js: _TierJobState, report: TierReport) -> None:
+        del self.jobs[js.job.job_id]
+        self._pending_chunks -= len(js.job.ops)
+        if js.job.kind is TierJobKind.DEMOTE:
+            self._finish_demotion(js)
+        else:
+            self._finish_promotion(js, report)
+
+    def _finish_demotion(self, js: _TierJobState) -> None:
+        for e in js.catalog_entries:
+            if js.failed:
+                self.catalog.index.abort(e)
+            elif self.catalog.index.commit(e):
+                self.stats.demotions += 1
+        if js.failed:
+            self.stats.demotion_jobs_failed += 1
+        self.dram.unpin(js.dram_entries)
+        assert js.leaving is not None
+        self._leaving[js.leaving.group] -= 1
+        self.dram.end_leave(js.leaving)
+
+    def _finish_promotion(self, js: _TierJobState, report: TierReport) -> None:
+        self.catalog.index.unpin(js.catalog_entries)
+        for i in sorted(js.corrupt):
+            self.catalog.index.discard(js.catalog_entries[i])
+            self.stats.checksum_failures += 1
+        ok = not js.failed
+        # a corrupt chunk ends its group's promoted prefix; what came before it is good
+        first_bad: dict[int, int] = {}
+        for i in sorted(js.corrupt):
+            first_bad.setdefault(js.job.ops[i].group, i)
+        for i, e in enumerate(js.dram_entries):
+            bad = first_bad.get(e.group)
+            if not ok and (not js.corrupt or (bad is not None and i >= bad)):
+                self.dram.abort(e)
+            elif self.dram.commit(e):
+                self.stats.promotions += 1
+        if ok:
+            for e in js.catalog_entries:
+                self.catalog.index.touch(e.group, [e.key])
+            if report.promote_seconds > 0:
+                per_rank = report.bytes_promoted / max(1, self.world_size)
+                self.tier.cost.observe(int(per_rank), len(js.job.ops),
+                                       report.promote_seconds / max(1, self.world_size))
+        else:
+            self.stats.promotion_jobs_failed += 1
+        d = self.deferrals.get(js.req_id)
+        if d is not None and d.job_id == js.job.job_id:
+            d.done, d.ok = True, ok
+
+    def has_pending_work(self) -> bool:
+        return bool(self.jobs or self._queued or self.catalog.deletes)
+
+    def check_drained(self) -> None:
+        assert not self.jobs, f"tier jobs left: {sorted(self.jobs)}"
+        assert self._pending_chunks == 0 and not any(self._leaving)
+        self.catalog.check_invariants()
+
+
+class _Tiered:
+    """DRAM and the tier as one index for :func:`find_hit`: a chunk is there if either has
+    it ready (both keep prefixes whole, so a prefix of either is restorable)."""
+
+    def __init__(self, dram: MemoryIndex, tier: MemoryIndex) -> None:
+        self.dram = dram
+        self.tier = tier
+
+    def is_ready(self, group: int, key: bytes) -> bool:
+        return self.dram.is_ready(group, key) or self.tier.is_ready(group, key)
+
+    def match(self, group: int, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if not self.is_ready(group, k):
+                break
+            n += 1
+        return n

@@ -1,0 +1,303 @@
+"""The tier seam: storage below the DRAM slab, and who moves its bytes.
+
+A lower tier (local disk today, a remote store later) holds chunks the slab evicted. Its
+metadata lives in the scheduler half, like the slab's (:mod:`kvtier.tiers.catalog`); its bytes
+are moved by the worker processes, because the slab is private memory of the worker at TP=1:
+
+- every rank reads and writes its own shard (a replicated layout keeps one shard, moved by
+  rank 0 only), and a chunk counts as present on the tier only when every rank reported its
+  write (the scheduler commits it then);
+- the scheduler sends :class:`TierJob` s in the step plan; each rank's :class:`TierRunner` runs
+  them on its own thread, in order (a delete before a later write of the same chunk), and
+  reports one :class:`TierCompletion` per job, which names the job and, when bytes did not
+  verify, the op indexes (chunks) that failed; the queue is bounded (``max_jobs``), and a job
+  past the bound fails at once, never waits;
+- a tier is a :class:`ChunkStore`: put, get and delete of one shard's bytes of one chunk under
+  ``(group, key)``. :class:`kvtier.tiers.disk.DiskChunkStore` is the disk;
+  :class:`kvtier.tiers.fake.MemoryChunkStore` is a real in-memory store for unit tests.
+
+Promotions (tier -> slab) land in slots the scheduler reserved; nothing is promised to the
+engine before they are committed (docs/design.md §2.5: lower tiers land in the slab before any
+GPU block is written). Demotions (slab -> tier) read slots the scheduler keeps from reuse until
+the job is reported.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvtier.log import get_logger
+
+logger = get_logger("tiers")
+
+
+class TierJobKind(str, Enum):
+    """What a tier job does: slab slots to the tier, the tier to slab slots, or forget chunks."""
+
+    DEMOTE = "demote"
+    PROMOTE = "promote"
+    DELETE = "delete"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class ChunkCorrupt(Exception):
+    """Stored bytes that do not verify (checksum, header, length): the chunk is a miss."""
+
+
+class TierFull(Exception):
+    """The tier has no room for the chunk (a full disk): the write is declined cleanly."""
+
+
+@dataclass
+class TierOp:
+    """One chunk of one group: slab slot ``slot`` <-> the tier's copy of ``key``.
+
+    ``parent`` is the key of the chunk before it (None for a prefix's first chunk): the tier
+    stores it with the chunk, so its index can be rebuilt leaves-first after a restart.
+    """
+
+    group: int
+    slot: int
+    key: bytes
+    parent: bytes | None = None
+
+
+@dataclass
+class TierJob:
+    job_id: int
+    kind: TierJobKind
+    ops: list[TierOp]
+
+
+@dataclass
+class TierCompletion:
+    job_id: int
+    kind: TierJobKind
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    corrupt: list[int] = field(default_factory=list)  # op indexes whose bytes did not verify
+    full: bool = False  # the tier declined a write for want of space
+    error: str = ""
+
+
+@dataclass
+class TierReport:
+    """One step's tier completions, summed over ranks: [ok, failed] per job, the op indexes
+    that did not verify on some rank, and the bytes and seconds of each direction."""
+
+    jobs: dict[int, list[int]] = field(default_factory=dict)
+    corrupt: dict[int, list[int]] = field(default_factory=dict)
+    full: int = 0  # jobs a full tier declined
+    corrupt_reads: int = 0
+    bytes_promoted: int = 0
+    promote_seconds: float = 0.0
+    bytes_demoted: int = 0
+    demote_seconds: float = 0.0
+
+    def take(self, c: TierCompletion) -> None:
+        ok, failed = self.jobs.setdefault(c.job_id, [0, 0])
+        self.jobs[c.job_id] = [ok + c.ok, failed + (not c.ok)]
+        if c.corrupt:
+            known = self.corrupt.setdefault(c.job_id, [])
+            known.extend(i for i in c.corrupt if i not in known)
+            self.corrupt_reads += len(c.corrupt)
+        self.full += c.full
+        if c.kind is TierJobKind.PROMOTE:
+            self.bytes_promoted += c.nbytes
+            self.promote_seconds += c.seconds
+        else:
+            self.bytes_demoted += c.nbytes
+            self.demote_seconds += c.seconds
+
+    def add(self, other: TierReport) -> TierReport:
+        for job, (ok, failed) in other.jobs.items():
+            cur = self.jobs.setdefault(job, [0, 0])
+            cur[0] += ok
+            cur[1] += failed
+        for job, ops in other.corrupt.items():
+            known = self.corrupt.setdefault(job, [])
+            known.extend(i for i in ops if i not in known)
+        self.full += other.full
+        self.corrupt_reads += other.corrupt_reads
+        self.bytes_promoted += other.bytes_promoted
+        self.promote_seconds += other.promote_seconds
+        self.bytes_demoted += other.bytes_demoted
+        self.demote_seconds += other.demote_seconds
+        return self
+
+
+@dataclass
+class TierPlan:
+    """A step's tier jobs, and where the tier is: ``root`` (the namespace directory of the
+    disk tier) and ``namespace`` (what every stored chunk's header must name)."""
+
+    root: str
+    namespace: bytes
+    jobs: list[TierJob] = field(default_factory=list)
+
+
+class ChunkStore(ABC):
+    """One shard's copies of chunks on one tier. Methods run on the tier's I/O thread.
+
+    Contract: ``put`` makes a chunk visible only whole (a crash mid-write leaves no chunk, or
+    the old one); ``get`` verifies the bytes it returns (raises :class:`ChunkCorrupt`, never
+    returns bytes that did not verify) and raises KeyError for an absent chunk.
+    """
+
+    @abstractmethod
+    def put(self, group: int, key: bytes, parent: bytes | None, data: torch.Tensor) -> int:
+        """Store ``data`` (uint8) as this shard's copy of ``key``; returns bytes written.
+        Raises :class:`TierFull` when there is no room."""
+
+    @abstractmethod
+    def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
+        """Fill ``out`` (uint8, the chunk's length) with the verified copy; bytes read."""
+
+    @abstractmethod
+    def delete(self, group: int, key: bytes, parent: bytes | None) -> None:
+        """Forget the chunk (absent is fine)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+SlotView = Callable[[int, int], torch.Tensor]
+"""(group, slot) -> this rank's bytes of that slab slot (``slot_bytes`` long)."""
+
+
+class TierRunner:
+    """One rank's I/O for one tier: jobs run in submission order on one thread.
+
+    ``moves``: whether this rank moves bytes (False for ranks > 0 of a replicated layout: they
+    report every job done without I/O, like their saves). ``max_jobs`` bounds the queue.
+    ``on_promoted``: called on the I/O thread for every op whose slot a promotion filled
+    with verified bytes (the worker stores the slot's slab checksums there).
+    """
+
+    def __init__(self, store: ChunkStore, slot_view: SlotView, moves: bool = True,
+                 max_jobs: int = 1024, name: str = "disk",
+                 on_promoted: Callable[[TierOp], None] | None = None) -> None:
+        self.store = store
+        self.on_promoted = on_promoted
+        self.slot_view = slot_view
+        self.moves = moves
+        self.max_jobs = max_jobs
+        self.name = name
+        self._jobs: queue.Queue[TierJob | None] = queue.Queue()
+        self._done: list[TierCompletion] = []
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a job ended
+        self._queued = 0
+        self._promotions = 0  # promotion jobs queued or running
+        self.corrupt_reads = 0  # chunks whose stored bytes did not verify, ever
+        self.full_writes = 0  # writes declined for want of space, ever
+        self._thread = threading.Thread(target=self._loop, name=f"kvtier-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: TierJob) -> None:
+        """Queue a job; past ``max_jobs`` queued it fails at once (reported by :meth:`poll`)."""
+        with self._lock:
+            if self._queued >= self.max_jobs:
+                if job.kind is not TierJobKind.DELETE:
+                    self._done.append(TierCompletion(job.job_id, job.kind, False,
+                                                     error="tier queue full"))
+                return
+            self._queued += 1
+            self._promotions += job.kind is TierJobKind.PROMOTE
+        self._jobs.put(job)
+
+    def poll(self) -> list[TierCompletion]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._queued
+
+    def wait_promotions(self, timeout_s: float) -> None:
+        """While a promotion is queued or running (a lookup waits for it), give this rank's
+        I/O thread up to ``timeout_s``: an engine that spins through empty steps otherwise
+        holds the GIL and starves the reads it waits for. Returns at once without one."""
+        with self._lock:
+            if self._promotions and not self._done:
+                self._changed.wait(timeout_s)
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every queued job ran (shutdown, tests)."""
+        end = time.monotonic() + timeout
+        while self.pending() and time.monotonic() < end:
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.drain()
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+        self.store.close()
+
+    # -- the I/O thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            done = self._run(job)
+            with self._lock:
+                self._queued -= 1
+                self._promotions -= job.kind is TierJobKind.PROMOTE
+                if done is not None:
+                    self._done.append(done)
+                self._changed.notify_all()
+
+    def _run(self, job: TierJob) -> TierCompletion | None:
+        t0 = time.perf_counter()
+        out = TierCompletion(job.job_id, job.kind, True)
+        if not self.moves:
+            return None if job.kind is TierJobKind.DELETE else out
+        for i, op in enumerate(job.ops):
+            try:
+                out.nbytes += self._move(job.kind, op)
+            except ChunkCorrupt as e:
+                self.corrupt_reads += 1
+                out.ok = False
+                out.corrupt.append(i)
+                self._log_corrupt(op, e)
+            except TierFull as e:
+                self.full_writes += 1
+                out.ok, out.full, out.error = False, True, str(e)
+                break  # a full tier declines the rest of the job
+            except Exception as e:  # an I/O error is a failed job, reported like any other
+                out.ok, out.error = False, f"{type(e).__name__}: {e}"
+                if job.kind is not TierJobKind.DELETE:
+                    break
+        out.seconds = time.perf_counter() - t0
+        return None if job.kind is TierJobKind.DELETE else out
+
+    def _move(self, kind: TierJobKind, op: TierOp) -> int:
+        if kind is TierJobKind.DELETE:
+            self.store.delete(op.group, op.key, op.parent)
+            return 0
+        view = self.slot_view(op.group, op.slot)
+        if kind is TierJobKind.DEMOTE:
+            return self.store.put(op.group, op.key, op.parent, view)
+        n = self.store.get(op.group, op.key, op.parent, view)
+        if self.on_promoted is not None:
+            self.on_promoted(op)
+        return n
+
+    def _log_corrupt(self, op: TierOp, e: Exception) -> None:
+        n = self.corrupt_reads
+        if n <= 20 or n % 100 == 0:  # one line per chunk, bounded
+            logger.warning("kvtier %s: chunk %s of group %d did not verify (%d so far), "
+                           "treated as a miss: %s", self.name, op.key.hex()[:12], op.group, n, e)

@@ -1,0 +1,257 @@
+"""The disk tier's store: files, checksums, crash safety, the directory scan, the lock and the
+start-up checks of disk_path (real files under pytest's tmp_path, on the machine's disk)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.config import ConfigError
+from kvtier.tiers.directory import DirectoryLock, check_disk_path, scan
+from kvtier.tiers.disk import (
+    PAGE,
+    DiskChunkStore,
+    chunk_name,
+    file_bytes,
+    namespace_dir,
+    parse_chunk_name,
+    shard_dir,
+)
+from kvtier.tiers.fake import MemoryChunkStore
+from kvtier.tiers.seam import ChunkCorrupt, TierJob, TierJobKind, TierOp, TierRunner
+
+NS = hashlib.blake2b(b"ns", digest_size=16).digest()
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+
+
+def payload(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def store(tmp_path: Path, shard: int = 0) -> DiskChunkStore:
+    return DiskChunkStore(namespace_dir(tmp_path, NS), shard, NS)
+
+
+def test_a_chunk_round_trips_and_its_name_carries_its_parent(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    data = payload(10_000, 1)  # not a multiple of a page: padded on disk
+    assert s.put(0, key(1), key(0), data) == file_bytes(10_000) == PAGE + 12_288
+    out = torch.empty_like(data)
+    s.get(0, key(1), key(0), out)
+    assert torch.equal(out, data)
+    name = parse_chunk_name(chunk_name(0, key(1), key(0)))
+    assert name is not None and (name.group, name.key, name.parent) == (0, key(1), key(0))
+    assert parse_chunk_name(chunk_name(3, key(2), None)).parent is None  # type: ignore[union-attr]
+    with pytest.raises(KeyError):
+        s.get(0, key(2), key(1), out)
+
+
+@pytest.mark.parametrize("where", ["payload", "padding", "header", "truncated", "grown"])
+def test_damaged_files_never_return_bytes(tmp_path: Path, where: str) -> None:
+    s = store(tmp_path)
+    data = payload(10_000, 2)
+    s.put(0, key(1), None, data)
+    path = shard_dir(namespace_dir(tmp_path, NS), 0) / chunk_name(0, key(1), None)
+    raw = bytearray(path.read_bytes())
+    if where == "payload":
+        raw[PAGE + 1234] ^= 0x10
+    elif where == "padding":
+        raw[PAGE + 10_500] ^= 0x01
+    elif where == "header":
+        raw[20] ^= 0x01
+    elif where == "truncated":
+        raw = raw[:-PAGE]
+    else:
+        raw += bytes(PAGE)
+    path.write_bytes(bytes(raw))
+    out = torch.zeros_like(data)
+    with pytest.raises(ChunkCorrupt):
+        s.get(0, key(1), None, out)
+    assert not out.any(), "bytes that did not verify reached the caller"
+
+
+def test_a_file_of_another_shard_group_or_namespace_does_not_verify(tmp_path: Path) -> None:
+    root = namespace_dir(tmp_path, NS)
+    data = payload(8192, 3)
+    store(tmp_path, shard=1).put(0, key(1), None, data)
+    src = shard_dir(root, 1) / chunk_name(0, key(1), None)
+    s0 = store(tmp_path, shard=0)
+    os.link(src, shard_dir(root, 0) / chunk_name(0, key(1), None))
+    os.link(src, shard_dir(root, 1) / chunk_name(1, key(1), None))
+    with pytest.raises(ChunkCorrupt):
+        s0.get(0, key(1), None, torch.empty_like(data))
+    with pytest.raises(ChunkCorrupt):
+        store(tmp_path, shard=1).get(1, key(1), None, torch.empty_like(data))
+    other = DiskChunkStore(root, 1, hashlib.blake2b(b"other", digest_size=16).digest())
+    with pytest.raises(ChunkCorrupt):
+        other.get(0, key(1), None, torch.empty_like(data))
+
+
+def _runner(st: DiskChunkStore | MemoryChunkStore, slots: torch.Tensor) -> TierRunner:
+    return TierRunner(st, lambda g, slot: slots[slot], max_jobs=4)
+
+
+def _wait(r: TierRunner, n: int) -> list:
+    done: list = []
+    end = time.monotonic() + 30
+    while len(done) < n and time.monotonic() < end:
+        done += r.poll()
+        time.sleep(0.002)
+    return done
+
+
+def test_runner_reports_each_job_and_names_the_chunk_that_did_not_verify(
+        tmp_path: Path, kvtier_caplog: pytest.LogCaptureFixture) -> None:
+    slots = torch.stack([payload(4096, i) for i in range(4)])
+    s = store(tmp_path)
+    r = _runner(s, slots)
+    ops = [TierOp(0, i, key(i), key(i - 1) if i else None) for i in range(3)]
+    r.submit(TierJob(1, TierJobKind.DEMOTE, ops))
+    (demoted,) = _wait(r, 1)
+    assert demoted.ok and demoted.job_id == 1 and demoted.nbytes == 3 * file_bytes(4096)
+    path = shard_dir(namespace_dir(tmp_path, NS), 0) / chunk_name(0, key(1), key(0))
+    raw = bytearray(path.read_bytes())
+    raw[PAGE + 7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    want = slots[:3].clone()
+    slots.zero_()
+    r.submit(TierJob(2, TierJobKind.PROMOTE, [TierOp(0, i, o.key, o.parent)
+                                              for i, o in enumerate(ops)]))
+    (promoted,) = _wait(r, 1)
+    r.close()
+    assert not promoted.ok and promoted.corrupt == [1]
+    assert torch.equal(slots[0], want[0]) and torch.equal(slots[2], want[2])
+    assert r.corrupt_reads == 1
+    lines = [m for m in kvtier_caplog.messages if "did not verify" in m]
+    assert len(lines) == 1 and key(1).hex()[:12] in lines[0]
+
+
+def test_a_full_tier_declines_the_write_and_a_full_queue_fails_at_once() -> None:
+    slots = torch.stack([payload(4096, i) for i in range(4)])
+    mem = MemoryChunkStore(capacity=2 * 4096)
+    r = _runner(mem, slots)
+    r.submit(TierJob(1, TierJobKind.DEMOTE, [TierOp(0, i, key(i)) for i in range(4)]))
+    (c,) = _wait(r, 1)
+    assert not c.ok and c.full and r.full_writes == 1
+    assert mem.keys() == {(0, key(0)), (0, key(1))}
+    r.close()
+    blocked = _runner(MemoryChunkStore(), slots)
+    blocked.max_jobs = 0
+    blocked.submit(TierJob(7, TierJobKind.DEMOTE, [TierOp(0, 0, key(0))]))
+    (c,) = blocked.poll()
+    assert (c.job_id, c.ok, c.error) == (7, False, "tier queue full")
+    blocked.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from kvtier.tiers.disk import DiskChunkStore
+    from tests.test_tier_disk import NS, key, payload
+    s = DiskChunkStore(Path(sys.argv[1]), 0, NS)
+    data = payload(8 << 20, 9)
+    print("ready", flush=True)
+    i = 0
+    while True:
+        data[0] = i % 256
+        s.put(0, key(i), key(i - 1) if i else None, data)
+        i += 1
+""")
+
+
+def test_kill_9_mid_write_never_leaves_a_torn_chunk(tmp_path: Path) -> None:
+    root = namespace_dir(tmp_path, NS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for attempt in range(4):
+        p = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE,
+                             env=env, cwd=Path(__file__).parent.parent)
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        time.sleep(0.15 + 0.1 * attempt)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    leftovers = [n for n in os.listdir(shard_dir(root, 0)) if n.endswith(".tmp")]
+    found = scan(root, 1)
+    assert found.temporaries_removed == len(leftovers)
+    assert not [n for n in os.listdir(shard_dir(root, 0)) if n.endswith(".tmp")]
+    assert found.chunks, "the writer wrote nothing before it was killed"
+    s = store(tmp_path)
+    out = torch.empty(8 << 20, dtype=torch.uint8)
+    want = payload(8 << 20, 9)
+    for c in found.chunks:
+        s.get(c.name.group, c.name.key, c.name.parent, out)  # raises if torn
+        assert torch.equal(out[1:], want[1:])
+
+
+def test_scan_keeps_chunks_every_shard_has_and_ignores_foreign_files(tmp_path: Path) -> None:
+    root = namespace_dir(tmp_path, NS)
+    s0, s1 = store(tmp_path, 0), store(tmp_path, 1)
+    data = payload(4096, 4)
+    for i in range(3):
+        s0.put(0, key(i), None, data)
+    s1.put(0, key(0), None, data)
+    s1.put(0, key(1), None, data)
+    (shard_dir(root, 0) / "README").write_text("not a chunk")
+    (shard_dir(root, 1) / ".half.kvc.1.2.tmp").write_bytes(b"x")
+    (shard_dir(root, 1) / "zz.root.g0.kvc").write_bytes(b"x")  # a bad key
+    got = scan(root, 2)
+    assert {c.name.key for c in got.chunks} == {key(0), key(1)}
+    assert [(sh, c.key) for sh, c in got.partial] == [(0, key(2))]
+    assert got.temporaries_removed == 1 and got.foreign_files == 2
+
+
+def test_a_second_engine_on_the_directory_is_refused(tmp_path: Path) -> None:
+    first = DirectoryLock(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"another engine \(pid {os.getpid()}\)"):
+        DirectoryLock(str(tmp_path))
+    first.close()
+    DirectoryLock(str(tmp_path)).close()
+
+
+def test_disk_path_checks_name_the_reason(tmp_path: Path) -> None:
+    check_disk_path(str(tmp_path / "tier"), 1 << 20)
+    assert (tmp_path / "tier").is_dir()
+    if Path("/dev/shm").is_dir():
+        with pytest.raises(ConfigError, match="tmpfs"):
+            check_disk_path("/dev/shm/kvtier-test-tier", 1 << 20)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot create"):
+        check_disk_path(str(tmp_path / "file" / "tier"), 1 << 20)
+    with pytest.raises(ConfigError, match=r"disk_size=1024TiB.*free"):
+        check_disk_path(str(tmp_path / "tier"), 1 << 50)
+
+
+def test_disk_settings_go_together_and_carry_units() -> None:
+    from kvtier.config import KvtierConfig
+
+    cfg = KvtierConfig.load({"disk_path": "/data/kv", "disk_size": "500GiB"}, environ={})
+    assert cfg.disk_size == 500 * 2**30
+    with pytest.raises(ConfigError, match="disk_path and disk_size go together"):
+        KvtierConfig.load({"disk_path": "/data/kv"}, environ={})
+    with pytest.raises(ConfigError, match=r"disk_size.*a number and a unit"):
+        KvtierConfig.load({"disk_path": "/data/kv", "disk_size": "500"}, environ={})
+
+
+def test_a_model_with_other_than_full_attention_is_refused(tmp_path: Path) -> None:
+    from kvtier.config import KvtierConfig
+    from kvtier.geometry import Geometry, GroupGeometry
+    from kvtier.layout import GroupKind
+    from kvtier.tiers.setup import open_disk_tier
+
+    geo = Geometry(32, (GroupGeometry(GroupKind.FULL, 16, 4096),
+                        GroupGeometry(GroupKind.SLIDING_WINDOW, 16, 4096, sliding_window=64)))
+    cfg = KvtierConfig(dram_size="4MiB", disk_path=str(tmp_path), disk_size="16MiB")
+    with pytest.raises(ConfigError, match="full-attention chunks only"):
+        open_disk_tier(cfg, geo, NS, geo.slab_layout(cfg, 1), 1)
