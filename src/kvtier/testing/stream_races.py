@@ -21,7 +21,9 @@ and records what every piece of work reads and writes, as byte ranges:
 
 Two accesses to overlapping bytes, at least one a write, neither ordered before the other,
 are a :class:`StreamRace` (raised at the second one, naming both). Work enqueued by the host
-is ordered after everything the host did before (program order).
+is ordered after everything the host did before (program order). Not seen: host reads and
+writes through NumPy views (the id ring, the finished sums). The history is never pruned:
+for tests of a few batches.
 """
 
 from __future__ import annotations
