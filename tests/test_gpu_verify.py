@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -30,6 +31,7 @@ from kvtier.gpu import kernels
 from kvtier.gpu.engine import CudaTransferEngine
 from kvtier.protocol import SKIP, Job, JobKind, TransferOp
 from kvtier.testing.host_runtime import HostEvent, HostRuntime, HostStream
+from kvtier.testing.stream_races import RaceCheckingRuntime, StreamRace, traced_kernels
 from kvtier.transfer import ChunkMover
 
 if not isinstance(kernels._move_kernel, InterpretedFunction):
@@ -181,3 +183,66 @@ def test_a_fence_on_a_dma_save_waits_for_its_checksum_pass(verify: bool) -> None
     assert codec.chunk_bytes(_fam.layout.groups[0], b) > 0
     eng.close()
     mover.slab.close()
+
+
+# --- stream order (kvtier.testing.stream_races) ---------------------------------------------
+# On an H200 the bench's kimi_linear loads failed verification at random slots on both paths
+# while the bytes were right: the per-batch sums buffer was allocated and zero-filled on the
+# caller's compute stream and written by the kernel on a side stream, with no event between
+# the two, so the fill could land after some partials were written (zeroing them). HostRuntime
+# runs everything at once and cannot show that; RaceCheckingRuntime does.
+
+
+@pytest.mark.parametrize("mode", ["dma", "kernel"])
+@pytest.mark.parametrize("name", ["v032_flash_BHLNC", "v032_mamba_hybrid"])
+def test_verified_round_trips_are_ordered_on_the_device_streams(name: str, mode: str) -> None:
+    fam = _family(name)
+    rt = RaceCheckingRuntime()
+
+    def make(mover: ChunkMover) -> CudaTransferEngine:
+        eng = CudaTransferEngine(mover, CONFIG, mode=mode, max_programs=4, runtime=rt)
+        rt.watch(eng)
+        return eng
+    with rt.tracing(), traced_kernels(rt):
+        moved = check_engine(fam, make, seed=3, n_chunks=3, verify=True)
+    assert moved["saved"] > 0 and moved["loaded"] > 0
+    assert rt.races == []
+    assert rt.accesses > 0
+
+
+def test_the_race_checker_sees_a_copy_read_before_the_write_it_needs() -> None:
+    rt = RaceCheckingRuntime()
+    buf = torch.zeros(64, dtype=torch.uint8)
+    a, b = rt.stream(), rt.stream()
+    desc = (np.array([buf.data_ptr() + 32]), np.array([buf.data_ptr()]), np.array([16]))
+    rt.copy(desc, a)  # writes [32, 48)
+    wrote = rt.event()
+    wrote.record(a)
+    back = (np.array([buf.data_ptr()]), np.array([buf.data_ptr() + 40]), np.array([8]))
+    with pytest.raises(StreamRace, match="dma on side2 reads"):
+        rt.copy(back, b)  # reads [40, 48) with no event after the write
+    b.wait_event(wrote)
+    rt.copy(back, b)
+    assert len(rt.races) == 1
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "mha"])
+def test_the_bench_warm_up_loads_only_what_was_saved(family: str) -> None:
+    """The transfer bench's warm-up (kvtier.bench.transfer.timing.warm) loaded slots that the
+    same step's saves were still writing."""
+    from kvtier.bench.transfer.cases import KIB, MIB, build_cell, cache_case
+    from kvtier.bench.transfer.timing import warm
+
+    span = 2 * MIB
+    geo = cache_case(family, 32 * KIB, span, smoke=True)
+    host = torch.empty(2 * span + 128 * MIB, dtype=torch.uint8)
+    cell = build_cell(geo, torch.device("cpu"), host, span, seed=0, verify=True)
+    rt = RaceCheckingRuntime()
+    eng = CudaTransferEngine(cell.mover, KvtierConfig(dram_size="1GiB",
+                                                      gpu_staging_size="2MiB"),
+                             mode="kernel", runtime=rt)
+    rt.watch(eng, *cell.mover.slab._sums)
+    with rt.tracing(), traced_kernels(rt):
+        warm(eng, cell, None, lambda: None)
+    assert rt.races == []
+    eng.close()

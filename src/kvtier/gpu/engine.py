@@ -634,7 +634,7 @@ class CudaTransferEngine(TransferEngine):
             kern.wait_event(after if save else moved)
             dev_ids = self._ids[kind](ids)
             g.tiles.launch(self._no_stage, 0, dev_ids, False, self.max_programs,
-                           self.num_warps, sums=check.part, move=False)
+                           self.num_warps, sums=check.device_sums(), move=False)
             summed.record(kern)
             check.to_host()
             if not save:
@@ -662,7 +662,7 @@ class CudaTransferEngine(TransferEngine):
             dev_ids = self._ids["save"](ids)
             g.tiles.launch(self.stage, self._stage_base["save"] + off, dev_ids, True,
                            self.max_programs, self.num_warps,
-                           sums=None if check is None else check.part)
+                           sums=None if check is None else check.device_sums())
             read.record(kern)
             if check is not None:
                 check.to_host()
@@ -696,7 +696,7 @@ class CudaTransferEngine(TransferEngine):
             dev_ids = self._ids["load"](ids)
             g.tiles.launch(self.stage, self._stage_base["load"] + off, dev_ids, False,
                            self.max_programs, self.num_warps,
-                           sums=None if check is None else check.part)
+                           sums=None if check is None else check.device_sums())
             if check is not None:
                 check.to_host()
             done.record(kern)

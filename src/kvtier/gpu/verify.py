@@ -42,19 +42,35 @@ class Rows:
 
 
 class BatchCheck:
-    """The device sums of one batch (see the module docstring). ``part``: the kernel's
-    ``sums`` argument; :meth:`to_host` on the stream that ran it."""
+    """The device sums of one batch (see the module docstring). :meth:`device_sums` is the
+    kernel's ``sums`` argument and :meth:`to_host` copies the result out, both on the stream
+    that runs the kernel."""
 
     def __init__(self, rt: Any, tiles: Any, rows: Rows) -> None:
         self.rows = rows
         self.tiles = tiles
+        self.rt = rt
         self.n_pos = rows.ids.size
-        self.part = torch.zeros(max(1, tiles.work_items(self.n_pos)), dtype=torch.int64,
-                                device=rt.device)
+        self.part: torch.Tensor | None = None
         self.host = rt.pinned(max(1, self.n_pos), torch.int64)
 
+    def device_sums(self) -> torch.Tensor:
+        """The per-work-item sums buffer, allocated and zeroed on the *current* stream, which
+        must be the one that launches the kernel writing it. Contract: never on another
+        stream. The fill is stream-ordered work: on the caller's compute stream it could run
+        after the kernel on the side stream had written some partials (zeroing them: a false
+        mismatch at load, or a stored sum that no longer covers the data, which can let a
+        real corruption pass), and the caching allocator hands a block out in the order of
+        the stream it is allocated on only."""
+        if self.part is None:
+            self.part = torch.zeros(max(1, self.tiles.work_items(self.n_pos)),
+                                    dtype=torch.int64, device=self.rt.device)
+        return self.part
+
     def to_host(self) -> None:
-        """Reduce per block position and copy to pinned memory, on the current stream."""
+        """Reduce per block position and copy to pinned memory, on the current stream (the
+        kernel's)."""
+        assert self.part is not None, "to_host before the kernel's device_sums"
         self.host[: self.n_pos].copy_(self.tiles.block_sums(self.part, self.n_pos),
                                       non_blocking=True)
 

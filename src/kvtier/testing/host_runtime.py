@@ -4,7 +4,9 @@
 Every copy and kernel runs at once, in enqueue order (kernels through ``TRITON_INTERPRET=1``),
 and every event is complete: the engine's batching, validation, bookkeeping and bytes are
 checked on CPU (``tests/test_gpu_kernels.py``, ``kvtier bench transfer --smoke``). What it
-cannot check is the ordering between streams, which only a real device has.
+cannot check is the ordering between streams, which only a real device has; for that,
+:class:`kvtier.testing.stream_races.RaceCheckingRuntime` checks every access against the
+streams' events.
 """
 
 from __future__ import annotations

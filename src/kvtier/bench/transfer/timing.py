@@ -107,19 +107,27 @@ def run_phase(engine: Any, cell: Cell, kind: str, compute: Any, sync: Callable[[
 
 
 def warm(eng: Any, cell: Cell, idle: Any, sync: Callable[[], None]) -> None:
-    """Compile kernels and touch every path once (a few jobs of each kind)."""
+    """Compile kernels and touch every path once (a few jobs of each kind). The load reads
+    slots the saves write, so it starts only once they completed (as the scheduler loads
+    only saved chunks): in one step the load's copy could read a slot the save is still
+    writing (a torn read; with ``--verify`` a checksum mismatch)."""
     from kvtier.protocol import Job
+
+    def finish() -> None:
+        eng.drain()
+        for c in eng.poll():
+            if not c.ok:
+                raise RuntimeError(f"warm-up job failed: {c.error}")
 
     with stream_context(idle):
         eng.tick()
         for j in cell.save_jobs[:2]:
             eng.save(Job(j.job_id + 5 * 10**7, j.req_id, j.ops))
+        finish()
+        eng.tick()
         j = cell.load_jobs[0]
         eng.load(Job(j.job_id + 5 * 10**7, j.req_id, j.ops[:2]))
-        eng.drain()
-        for c in eng.poll():
-            if not c.ok:
-                raise RuntimeError(f"warm-up job failed: {c.error}")
+        finish()
     sync()
 
 
