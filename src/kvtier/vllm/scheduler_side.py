@@ -140,7 +140,7 @@ class SchedulerSide:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 prefill += n_sched
             scheduled.append(ScheduledTokens(req_id, req.all_token_ids, computed_after,
-                                             req.num_prompt_tokens))
+                                             req.num_prompt_tokens, req.num_computed_tokens))
         self._prefill_tokens = prefill
         return scheduled
 
