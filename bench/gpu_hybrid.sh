@@ -23,8 +23,10 @@ if [ "$STAGE" = check ]; then
     for a in ${ARCHS:-kimi_linear qwen3_next}; do
         negs=()
         for n in ${NEG:-}; do negs+=(--negative "$n"); done
+        # every engine of every architecture at once: GPU_MEM each
         timeout "${CHECK_TIMEOUT:-420}" python3 tools/gpu_seed_check.py --arch "$a" \
-            --out "$W/seed" --gpu-mem "${GPU_MEM:-0.3}" "${negs[@]}" > "$W/$a.log" 2>&1 &
+            --out "$W/seed" --gpu-mem "${GPU_MEM:-0.14}" --timeout $(( ${CHECK_TIMEOUT:-420} - 15 )) \
+            "${negs[@]}" > "$W/$a.log" 2>&1 &
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p"; echo "seed check pid $p rc=$?"; done
@@ -38,6 +40,7 @@ if [ "$STAGE" = check ]; then
 elif [ "$STAGE" = gain ]; then
     for c in ${CONFIGS:-hbm kvtier native big}; do
         timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py --model kimi-linear \
+            --dram-gib "${DRAM_GIB:-16}" \
             --config "${c%%-*}" --out "$W/sp_$c.json" > "$W/sp_$c.log" 2>&1
         echo "$c rc=$?: $(grep -E '^(hbm|big|kvtier|native): wall' "$W/sp_$c.log" | tail -1)"
     done

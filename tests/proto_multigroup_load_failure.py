@@ -1,4 +1,8 @@
-"""PROTOTYPE OF THE MECHANISM, not of kvtier's connector (docs/notes/hybrid-loads-025.md).
+"""vLLM 0.25.1's side of the multi-group load-failure rules, without kvtier
+(docs/notes/hybrid-loads-025.md): why kvtier never reports blocks with several groups and
+never truncates to a local hit of 0. kvtier's own mechanism is tested through its real
+connector in tests/test_vllm025_multigroup_loads.py (which superseded this prototype's
+truncation-at-48 scenario).
 
 Runs vLLM's real scheduler with two KV-cache groups (full attention + sliding window, the
 window longer than any prompt so both groups keep every block) and a minimal scheduler-side
@@ -10,8 +14,6 @@ the connector truncates the request's ``num_computed_tokens`` to the last valid 
 
 Prints one JSON line: per scenario, what happened. Scenarios:
 - ``per_block_report``: vLLM's own path, ``invalid_block_ids`` with two groups (the crash).
-- ``truncate_mid``: load of 5 blocks, blocks 3-4 fail, truncate to 48 tokens; compared with a
-  cold run of the same prompt (scheduled tokens, cached blocks, free blocks at the end).
 - ``truncate_zero_with_local_hit``: the first block fails (boundary 0) while another request
   cached the same prefix meanwhile: 0.25.1 cannot take it (vLLM frees blocks on this path,
   a connector cannot).
@@ -44,7 +46,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from harness.compat import kv_output, make_request, model_config, runner_output
@@ -142,44 +143,6 @@ def step(s: Scheduler, kv: Any = None, token: int = 7) -> dict[str, int]:
     return dict(out.num_scheduled_tokens)
 
 
-def cached_hashes(s: Scheduler) -> int:
-    return len(s.kv_cache_manager.block_pool.cached_block_hash_to_block)
-
-
-def finished_state(s: Scheduler, trace: list[dict[str, int]]) -> dict[str, Any]:
-    return {"scheduled": trace, "cached_blocks": cached_hashes(s),
-            "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
-            "requests_left": len(s.requests)}
-
-
-def cold_run() -> dict[str, Any]:
-    s = make_scheduler(with_connector=False)
-    s.add_request(make_request("r", PROMPT, max_tokens=2))
-    trace = [step(s) for _ in range(3)]
-    return finished_state(s, trace)
-
-
-def truncate_mid() -> dict[str, Any]:
-    """Local hit 0, a load of 80 tokens (5 blocks) of which blocks 3 and 4 fail: boundary
-    48. The connector reports finished and truncates; vLLM recomputes 48 tokens."""
-    s = make_scheduler(with_connector=True)
-    conn = s.connector
-    conn.offers["r"] = 80
-    s.add_request(make_request("r", PROMPT, max_tokens=2))
-    trace = [step(s)]  # parks for the load
-    assert s.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    conn.failures["r"] = 48
-    trace.append(step(s, kv_output({"r"}, None, set(), None, None)))  # finished (failed)
-    # the next schedule() promotes it and schedules exactly the 48 tokens after the boundary
-    out = s.schedule()
-    promoted = {"scheduled": dict(out.num_scheduled_tokens), "cached_blocks": cached_hashes(s),
-                "num_computed_tokens": s.requests["r"].num_computed_tokens}
-    s.update_from_output(out, runner_output(["r"], [[7]], None))
-    trace.append(promoted["scheduled"])
-    trace += [step(s) for _ in range(2)]
-    return {**finished_state(s, trace), "at_promotion": promoted}
-
-
 def crash_site(e: BaseException) -> dict[str, Any]:
     frame = traceback.extract_tb(e.__traceback__)[-1]
     path = frame.filename.split("/vllm/", 1)[-1]
@@ -222,7 +185,7 @@ def per_block_report() -> dict[str, Any]:
 
 
 def main() -> None:
-    results = {"version": vllm.__version__, "cold": cold_run(), "truncate_mid": truncate_mid(),
+    results = {"version": vllm.__version__,
                "truncate_zero_with_local_hit": truncate_zero_with_local_hit(),
                "per_block_report": per_block_report()}
     print(json.dumps(results))

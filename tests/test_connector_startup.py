@@ -11,7 +11,10 @@ import torch
 from tests.harness.compat import BLOCK_SIZE, LAYERS, model_config
 
 
-def _configs(policy: str, extra: dict[str, Any]) -> tuple[Any, Any]:
+def _configs(policy: str, extra: dict[str, Any], mamba_cache_mode: str | None = None
+             ) -> tuple[Any, Any]:
+    """One full-attention group; with ``mamba_cache_mode``, a recurrent-state group beside it
+    and that mode in the cache config."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -26,7 +29,8 @@ def _configs(policy: str, extra: dict[str, Any]) -> tuple[Any, Any]:
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
                                          max_model_len=model_config().max_model_len,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True,
+                                 mamba_cache_mode=mamba_cache_mode or "none"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra),
@@ -34,17 +38,24 @@ def _configs(policy: str, extra: dict[str, Any]) -> tuple[Any, Any]:
     )
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
-    kvc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+    if mamba_cache_mode is not None:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        groups.append(KVCacheGroupSpec(["model.layers.2.mixer"], MambaSpec(
+            block_size=BLOCK_SIZE, shapes=((3, 8),), dtypes=(torch.float32,),
+            mamba_cache_mode=mamba_cache_mode)))
+    kvc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     return cfg, kvc
 
 
-def _connector(policy: str = "recompute", extra: dict[str, Any] | None = None) -> Any:
+def _connector(policy: str = "recompute", extra: dict[str, Any] | None = None,
+               mamba_cache_mode: str | None = None) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvtier.vllm.connector import KvtierConnector
 
-    cfg, kvc = _configs(policy, extra or {})
+    cfg, kvc = _configs(policy, extra or {}, mamba_cache_mode)
     return KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
 
 
@@ -75,6 +86,23 @@ def test_start_up_refusals_are_one_kvtier_line() -> None:
         assert line.startswith("kvtier: ") and "\n" not in line and "; " in line, line
     assert str(info.value) == ("kvtier: unknown kvtier setting 'dram_sise': did you mean "
                                "'dram_size'?; `kvtier config` lists every setting")
+
+
+def test_a_recurrent_state_group_starts_with_states_kept_per_block() -> None:
+    """'align' (0.32 has no 'all'; 0.25.1's 'all': tests/test_vllm025_multigroup_loads.py)."""
+    c = _connector(mamba_cache_mode="align")
+    assert c.setup.disabled_reason is None and c.setup.loads_enabled
+
+
+def test_a_recurrent_state_group_without_per_block_states_is_refused_naming_prefix_caching(
+        ) -> None:
+    from kvtier.vllm.startup import StartupError
+
+    with pytest.raises(StartupError) as info:
+        _connector(mamba_cache_mode="none")
+    line = str(info.value)
+    assert line.startswith("kvtier: mamba_cache_mode='none'") and "\n" not in line, line
+    assert "--enable-prefix-caching" in line
 
 
 QUIET_DEFAULT_HOOKS = (

@@ -42,6 +42,16 @@ def test_chunk_size_is_checked_once() -> None:
         resolve_chunk_tokens(50, [16, 48])
 
 
+def test_seed_004_chunk_is_the_lcm_with_the_state_group_block_size() -> None:
+    """1,536-token attention groups beside a 3,072-token KDA state group: 3,072 is the least
+    valid chunk (the seed needed it); 1,536 is refused naming it."""
+    sizes = [1536, 1536, 3072]
+    assert resolve_chunk_tokens(None, sizes) == 3072
+    assert resolve_chunk_tokens(6144, sizes) == 6144
+    with pytest.raises(ConfigError, match=r"chunk_tokens=3072, or leave it unset"):
+        resolve_chunk_tokens(1536, sizes)
+
+
 def test_slot_classes_one_per_kv_group_then_one_for_all_state() -> None:
     geo = Geometry(C, (STATE, FULL, STATE, WINDOW))
     assert geo.slot_classes == (2, 0, 2, 1)

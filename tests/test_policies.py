@@ -94,6 +94,46 @@ def test_one_pass_scan_of_twice_the_capacity(name: str, survives: bool) -> None:
         assert kept == 0, f"{name} unexpectedly kept {kept} hot keys"
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_new_working_set_reused_beyond_probation_is_kept_after_a_shift(name: str) -> None:
+    """The pool full of workload A (each key hit several times: all protected), then workload
+    B: 60 keys in round-robin, each reused after 59 others, more than SLRU's probation (20)
+    or S3-FIFO's small queue (10) holds. A miss saves the key again (insert), a hit touches
+    it. Every policy must come to hit B (seen on the H200 with SLRU: after the shift B never
+    hit, because protected kept A forever and B never outlived probation)."""
+    cap = 100
+    p = make_policy(name, cap)
+    a = [f"a{i}" for i in range(cap)]
+    fill_with_eviction(p, a)
+    for _ in range(3):
+        for k in a:
+            p.touch(k)
+    b = [f"b{i}" for i in range(60)]
+    hits_per_round = []
+    for _ in range(6):
+        hits = 0
+        for k in b:
+            if k in p:
+                p.touch(k)
+                hits += 1
+            else:
+                fill_with_eviction(p, [k])
+        hits_per_round.append(hits)
+    assert hits_per_round[-1] == len(b), f"{name}: hits per round of B {hits_per_round}"
+
+
+def test_a_one_pass_scan_leaves_only_ghosts_and_ghosts_are_bounded() -> None:
+    """SLRU's ghost keeps keys, never capacity: a long scan fills it to ``capacity`` keys and
+    the hot set stays protected."""
+    p = make_policy("slru", 10)
+    fill_with_eviction(p, [f"hot{i}" for i in range(5)])
+    for i in range(5):
+        p.touch(f"hot{i}")
+    fill_with_eviction(p, [f"scan{i}" for i in range(100)])
+    assert all(f"hot{i}" in p for i in range(5)) and len(p) == 10
+    assert len(p._ghost) == 10  # type: ignore[attr-defined]
+
+
 def test_slru_protected_segment_is_bounded() -> None:
     p = make_policy("slru", 10, KvtierConfig(slru_protected_fraction=0.5))
     keys = [f"k{i}" for i in range(10)]

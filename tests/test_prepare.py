@@ -114,6 +114,7 @@ def test_a_slow_preparation_times_out_into_no_hit() -> None:
     assert tier.sched.requests["b"].last_decline is Decline.PREPARE_TIMEOUT
     assert tier.sched.stats.declined[Decline.PREPARE_TIMEOUT.value] == 1
     tier.step()  # the verify job runs and finishes: its pins end with it
+    assert tier.sched.index.stats().pinned == 0, "a given-up preparation kept its pins"
     assert tier.sched.lookup("b", tokens, 0) == 0  # never defers again
     tier.sched.request_finished("b")
     tier.step()

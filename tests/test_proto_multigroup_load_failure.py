@@ -1,7 +1,8 @@
-"""Prototype of the multi-group load-failure mechanism on vLLM 0.25.1's real scheduler
-(tests/proto_multigroup_load_failure.py; the design: docs/notes/hybrid-loads-025.md). Not a
-test of kvtier's connector: a minimal connector implements option (a) so that vLLM's side of
-the mechanism is checked on its own."""
+"""vLLM 0.25.1's side of the multi-group load-failure rules (tests/proto_multigroup_load_failure.py;
+the design: docs/notes/hybrid-loads-025.md): the two facts behind kvtier's rules, checked on
+vLLM's real scheduler with a minimal connector. kvtier's mechanism itself is tested through
+its real connector in tests/test_vllm025_multigroup_loads.py, which superseded the
+prototype's truncation test."""
 
 from __future__ import annotations
 
@@ -39,19 +40,6 @@ def test_per_block_report_with_two_groups_crashes_vllm025(results: dict[str, Any
     """Why the mechanism is needed: vLLM's own report path (invalid_block_ids)."""
     r = results["per_block_report"]
     assert r["crashed"] and r["at"] == "v1/core/sched/scheduler.py:2546", r
-
-
-@pytest.mark.vllm025
-def test_truncating_in_update_connector_output_recomputes_from_the_boundary(
-        results: dict[str, Any]) -> None:
-    """Option (a) at a boundary above 0: no crash, exactly the tokens after the boundary are
-    scheduled, and the request ends like a cold computation (same cached blocks in both
-    groups, every block back in the pool)."""
-    mid, cold = results["truncate_mid"], results["cold"]
-    assert mid["at_promotion"]["scheduled"] == {"r": 96 - 48}
-    assert [s for s in mid["scheduled"] if s][1:] == cold["scheduled"][1:2]
-    for key in ("cached_blocks", "free_blocks", "requests_left"):
-        assert mid[key] == cold[key], key
 
 
 @pytest.mark.vllm025

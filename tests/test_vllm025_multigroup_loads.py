@@ -100,3 +100,62 @@ def test_a_load_failing_for_good_with_a_window_or_state_group_stops_naming_the_r
     assert "\n" not in err["message"]
     assert run["stats"]["reissued"] == LOAD_RETRIES
     assert run["invalid_block_reports"] == [] and run["findings"] == []
+
+
+MAMBA_SETS = ("full+mamba", "full+mamba+mamba")
+
+
+@pytest.mark.vllm025
+@pytest.mark.parametrize("group_set", MAMBA_SETS)
+@pytest.mark.parametrize("case", ["hazard_no_hit_beyond", "hazard_hit_beyond"])
+def test_a_local_hit_past_the_state_groups_ends_like_a_cold_recompute(
+        results: dict[str, Any], group_set: str, case: str) -> None:
+    """docs/vllm-api.md §0 item 8: 0.25.1 tells kvtier the attention groups' hit, where no
+    state group holds a state. kvtier loads a state at its own boundary past it
+    (``hazard_hit_beyond``), or drops the attention groups' HBM entries past the state and
+    asks again (``hazard_no_hit_beyond``); either way the mamba runner never starts from a
+    null block or a wrong state (the fake model's reads), and ``r`` runs as after an HBM hit
+    of 96 tokens."""
+    run = results[group_set][case]
+    assert run["evicted"]["state"] > 0  # the hazard was set up
+    assert run["hits_forgotten"] == (2 if case == "hazard_no_hit_beyond" else 0)
+    assert run["stats"]["loads_ok"] == 1 and run["stats"]["hit_tokens"] == 32
+    assert_like_cold(run, results[group_set]["cold_96"])
+
+
+@pytest.mark.vllm025
+def test_recurrent_state_needs_states_kept_per_block_at_start_up(results: dict[str, Any]
+                                                                 ) -> None:
+    """0.25.1's 'align' and 'all' start; 'none' is refused in one line naming the flag."""
+    st = results["startup"]
+    assert st["mode_align"]["started"] and st["mode_all"]["started"]
+    refused = st["mode_none"]
+    assert not refused["started"] and refused["type"] == "StartupError"
+    assert refused["message"].startswith("kvtier: mamba_cache_mode='none'")
+    assert "--enable-prefix-caching" in refused["message"] and "\n" not in refused["message"]
+
+
+@pytest.mark.vllm025
+def test_the_chunk_is_a_multiple_of_every_group_block_size_the_state_groups_too(
+        results: dict[str, Any]) -> None:
+    """Attention blocks of 16 tokens and mamba blocks of 48 (as seed 004's 1,536-token
+    attention groups beside a 3,072-token KDA state group): unset, the chunk is the smallest
+    multiple of their LCM of at least 256 tokens; a multiple of 48 is taken; 16 is refused
+    naming 48."""
+    st = results["startup"]
+    assert st["chunk_unset_16_48"] == {"started": True, "chunk_tokens": 288}
+    assert st["chunk_96_with_48"] == {"started": True, "chunk_tokens": 96}
+    refused = st["chunk_16_with_48"]
+    assert refused["type"] == "StartupError" and "chunk_tokens=48" in refused["message"]
+
+
+@pytest.mark.vllm025
+def test_a_load_failing_for_good_at_a_local_hit_of_0_stops_even_with_full_attention_only(
+        results: dict[str, Any]) -> None:
+    """At 0, vLLM's own failure path frees the request's blocks, which a connector cannot;
+    a later local hit then crashes 0.25.1 (tests/test_proto_multigroup_load_failure.py)."""
+    run = results["full+full"]["load_always_hit_0"]
+    assert run["parked"] and run["promised"] == 96
+    err = run["error"]
+    assert err["type"] == "LoadFailedAfterPromise" and "request r " in err["message"]
+    assert "local hit of 0" in err["message"] and run["invalid_block_reports"] == []

@@ -24,16 +24,20 @@ Cases per group set (``full+full``, ``full+swa``, ``full+mamba``, ``full+mamba+m
 - ``load_once``: request ``a`` computes prompt P (kvtier saves it), the HBM prefix cache is
   reset, ``c`` caches P's first 32 tokens, then ``r`` (P's first 96 tokens and 8 more) hits
   32 tokens locally and kvtier promises 64 more; its load's first copy raises (re-issued).
-- ``load_always``: the same, every attempt of the load fails.
-- ``hazard_state_evicted`` (mamba sets): ``a`` computes P, then the HBM states from 64 tokens
-  on are evicted (attention blocks stay): 0.25.1 tells kvtier a local hit of 96 for ``r``,
-  where no group of state has anything (docs/vllm-api.md §0 item 8).
+- ``load_always``: the same, every attempt of the load fails; ``load_always_hit_0``
+  (full+full): without ``c``, a local hit of 0.
+- ``hazard_no_hit_beyond`` (mamba sets): ``a`` computes P, then the HBM states from 64
+  tokens on are evicted (attention blocks stay): 0.25.1 tells kvtier a local hit of 96 for
+  ``r``, where no state group has a state and kvtier has nothing beyond (docs/vllm-api.md
+  §0 item 8); ``hazard_hit_beyond``: states from 48 and attention from 64 tokens on
+  evicted: a local hit of 64 without its state, and kvtier's hit goes on to 96.
 - ``cold_96`` / ``cold_32``: no connector; ``r`` after P (hit 96) / after ``c`` (hit 32).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -88,38 +92,40 @@ class FaultKvtierConnector(KvtierConnector):
 
 
 # -- engine shapes --------------------------------------------------------------------------
-def group_specs(name: str) -> list[tuple[str, Any]]:
+def group_specs(name: str, mamba_mode: str = "align", mamba_block: int = BS
+                ) -> list[tuple[str, Any]]:
     full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
     other = {
         "full": FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=4,
                                   dtype=torch.float32),
         "swa": SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8,
                                  dtype=torch.float32, sliding_window=WINDOW),
-        "mamba": MambaSpec(block_size=BS, shapes=(CONV, SSM),
-                           dtypes=(torch.float32, torch.float32), mamba_cache_mode="align"),
+        "mamba": MambaSpec(block_size=mamba_block, shapes=(CONV, SSM),
+                           dtypes=(torch.float32, torch.float32), mamba_cache_mode=mamba_mode),
     }
     kinds = name.split("+")
     return [(f"model.layers.{i}.{'mixer' if k == 'mamba' else 'self_attn.attn'}",
              full if i == 0 else other[k]) for i, k in enumerate(kinds)]
 
 
-def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | None = None
-                   ) -> Scheduler:
+def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | None = None,
+                   mamba_mode: str = "align", mamba_block: int = BS) -> Scheduler:
     kv = KVTransferConfig(
         kv_connector="FaultKvtierConnector", kv_role="kv_both",
         kv_connector_module_path="vllm025_multigroup_loads",
         kv_load_failure_policy="recompute",
-        # verify_checksums off: these scenarios are failures *after* the promise (copy
-        # errors); verification before it (kvtier.prepare) defers the promise by a step and
-        # has its own tests (tests/test_prepare.py)
-        kv_connector_extra_config={"dram_size": "4MiB", "chunk_tokens": BS,
-                                   "cost_model": False, "verify_checksums": False,
-                                   **(extra or {})},
+        # verify_checksums off unless a scenario sets it: these scenarios are failures
+        # *after* the promise (copy errors); verification before it (kvtier.prepare) defers
+        # the promise by a step and has its own tests (tests/test_prepare.py)
+        kv_connector_extra_config={k: v for k, v in {
+            "dram_size": "4MiB", "chunk_tokens": BS, "cost_model": False,
+            "verify_checksums": False, **(extra or {}),
+        }.items() if v is not None},
     ) if with_kvtier else None
-    specs = group_specs(set_name)
+    specs = group_specs(set_name, mamba_mode, mamba_block)
     has_mamba = any(isinstance(s, MambaSpec) for _, s in specs)
-    cache = CacheConfig(block_size=BS, enable_prefix_caching=True,
-                        mamba_cache_mode="align" if has_mamba else "none")
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=mamba_mode != "none",
+                        mamba_cache_mode=mamba_mode if has_mamba else "none")
     cfg = VllmConfig(
         model_config=model_config(),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
@@ -130,7 +136,9 @@ def make_scheduler(set_name: str, with_kvtier: bool, extra: dict[str, Any] | Non
     kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([layer], spec) for layer, spec in specs])
     s = Scheduler(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
-                  structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
+                  structured_output_manager=StructuredOutputManager(cfg),
+                  block_size=math.lcm(*(spec.block_size for _, spec in specs)),
+                  hash_block_size=BS)
     s.fake = FakeWorker(cfg, kvc, specs, with_kvtier)  # type: ignore[attr-defined]
     return s
 
@@ -274,14 +282,16 @@ def cold(set_name: str, boundary: int) -> dict[str, Any]:
     return {"records": records, "findings": s.fake.findings, **end_state(s)}  # type: ignore
 
 
-def load_case(set_name: str, fault: str) -> dict[str, Any]:
-    """``a`` saved by kvtier, HBM reset, ``c`` cached 32 tokens, ``r`` hits 32 + 64."""
+def load_case(set_name: str, fault: str, local_hit: bool = True) -> dict[str, Any]:
+    """``a`` saved by kvtier, HBM reset, ``c`` cached 32 tokens, ``r`` hits 32 + 64 (without
+    ``local_hit``: no ``c``, ``r`` hits 0 + 96)."""
     s = make_scheduler(set_name, with_kvtier=True)
     add(s, "a", PROMPT)
     run_until_done(s)
     s.reset_prefix_cache()  # HBM only: kvtier keeps P
-    add(s, "c", C_PROMPT)
-    run_until_done(s)
+    if local_hit:
+        add(s, "c", C_PROMPT)
+        run_until_done(s)
     faulty = s.fake.connector.faulty  # type: ignore[attr-defined]
     if fault == "once":
         faulty.raise_in_jobs = 1  # the first job submitted next: r's load
@@ -304,16 +314,80 @@ def load_case(set_name: str, fault: str) -> dict[str, Any]:
     return out
 
 
+def evict_from_hbm(s: Scheduler, kinds: tuple[type, ...], from_tokens: int) -> int:
+    """Drop from vLLM's prefix cache the blocks of P's prompt from ``from_tokens`` on, in the
+    groups whose spec is one of ``kinds`` (what eviction under pressure does: align mode
+    frees a hybrid's state blocks long before its attention blocks)."""
+    pool = s.kv_cache_manager.block_pool
+    hashes = make_request("probe", PROMPT, max_tokens=1).block_hashes
+    dropped = 0
+    for gid, (_, spec) in enumerate(s.fake.specs):  # type: ignore[attr-defined]
+        if not isinstance(spec, kinds):
+            continue
+        for j in range(from_tokens // BS, len(hashes)):
+            while cached := pool.get_cached_block(hashes[j], [gid]):
+                pool.evict_blocks({cached[0].block_id})
+                dropped += 1
+    return dropped
+
+
+def hazard_case(set_name: str, state_from: int, attention_from: int | None
+                ) -> dict[str, Any]:
+    """``a`` computed P (kvtier saved it with its states); the HBM states from
+    ``state_from`` tokens on are evicted, and the attention blocks from ``attention_from``
+    tokens on (None: none). ``r``'s local hit, as 0.25.1 tells kvtier, is the attention
+    groups' (96 or 64), where no state group holds a state."""
+    s = make_scheduler(set_name, with_kvtier=True)
+    add(s, "a", PROMPT)
+    run_until_done(s)
+    evicted = {"state": evict_from_hbm(s, (MambaSpec,), state_from)}
+    if attention_from is not None:
+        evicted["attention"] = evict_from_hbm(s, (FullAttentionSpec,), attention_from)
+    add(s, "r", R_PROMPT)
+    records = run_until_done(s)
+    side = s.connector.scheduler_side
+    return {"records": records, "findings": s.fake.findings,  # type: ignore[attr-defined]
+            "evicted": evicted, "hits_forgotten": getattr(side, "hits_forgotten", None),
+            "stats": kvtier_stats(s), **end_state(s)}
+
+
+def startup_case(mamba_mode: str = "align", mamba_block: int = BS,
+                 chunk_tokens: int | None = BS) -> dict[str, Any]:
+    """Whether an engine with a full-attention group and a mamba group starts; its chunk."""
+    try:
+        s = make_scheduler("full+mamba", with_kvtier=True, mamba_mode=mamba_mode,
+                           mamba_block=mamba_block, extra={"chunk_tokens": chunk_tokens})
+    except Exception as e:
+        return {"started": False, "type": type(e).__name__, "message": str(e)}
+    worker = s.fake.connector.worker_side.worker  # type: ignore[attr-defined]
+    return {"started": True, "chunk_tokens": worker.geometry.chunk_tokens}
+
+
+STARTUP = {
+    "mode_align": {}, "mode_all": {"mamba_mode": "all"}, "mode_none": {"mamba_mode": "none"},
+    # the chunk: the LCM of every group's block size (state groups too), or a multiple of it
+    "chunk_unset_16_48": {"mamba_block": 48, "chunk_tokens": None},
+    "chunk_16_with_48": {"mamba_block": 48, "chunk_tokens": 16},
+    "chunk_96_with_48": {"mamba_block": 48, "chunk_tokens": 96},
+}
+
+
 SETS = ("full+full", "full+swa", "full+mamba", "full+mamba+mamba")
 
 
 def main() -> None:
     only = sys.argv[1:] or list(SETS)
     results: dict[str, Any] = {"version": vllm.__version__}
+    results["startup"] = {name: startup_case(**kw) for name, kw in STARTUP.items()}
     for name in only:
         results[name] = {"cold_96": cold(name, 96), "cold_32": cold(name, 32),
                          "load_once": load_case(name, "once"),
                          "load_always": load_case(name, "always")}
+        if name == "full+full":  # (a) is refused at a local hit of 0 (the prototype's crash)
+            results[name]["load_always_hit_0"] = load_case(name, "always", local_hit=False)
+        if "mamba" in name:
+            results[name]["hazard_no_hit_beyond"] = hazard_case(name, 64, None)
+            results[name]["hazard_hit_beyond"] = hazard_case(name, 48, 64)
     print(json.dumps(results))
 
 

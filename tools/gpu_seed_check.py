@@ -68,7 +68,10 @@ def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str,
         if mode != "cold":
             kw["mamba_cache_mode"] = "align"
     else:
-        kw.update(gpu_memory_utilization=args.gpu_mem, max_num_batched_tokens=8192)
+        # an explicit KV size: with several engines starting at once on one GPU, vLLM's
+        # profiling of free memory under gpu_memory_utilization alone comes out at nothing
+        kw.update(gpu_memory_utilization=args.gpu_mem, max_num_batched_tokens=8192,
+                  kv_cache_memory_bytes=4 << 30)
     if mode != "cold":
         from vllm.config import KVTransferConfig
 

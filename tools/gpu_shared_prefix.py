@@ -69,6 +69,9 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama8b",
                     help="llama8b (default) or kimi-linear (27 layers, real hidden size)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--verify-ab", type=int, default=0, metavar="N",
+                    help="kvtier: N pairs of phases in this one process, verified restores "
+                         "off then on (kvtier.testing.verify_switch), fresh prompts each")
     ap.add_argument("--kvtier-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a kvtier setting for the kvtier runs (repeatable; JSON values)")
     args = ap.parse_args()
@@ -121,17 +124,42 @@ def main() -> int:
     def toks(n: int, seed: int) -> list[int]:
         return [(seed * 7919 + 31 * i + (i * i) % 97) % vocab + 100 for i in range(n)]
 
-    prefixes = [toks(args.prefix_len, 1000 + p) for p in range(args.prefixes)]
-    prompts = []
-    for r in range(args.per_prefix):
-        for p in range(args.prefixes):
-            prompts.append({"prompt_token_ids":
-                            prefixes[p] + toks(args.suffix_len, 100 * r + p + 1)})
+    def workload(phase: int) -> list[dict]:
+        """The requests of the run; phase 0 is the reference workload, others use fresh
+        prefixes and suffixes (nothing of one phase hits another's)."""
+        off = 10000 * phase
+        prefixes = [toks(args.prefix_len, 1000 + off + p) for p in range(args.prefixes)]
+        out = []
+        for r in range(args.per_prefix):
+            for p in range(args.prefixes):
+                out.append({"prompt_token_ids":
+                            prefixes[p] + toks(args.suffix_len, off + 100 * r + p + 1)})
+        return out
+
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False,
                             temperature=0.0)
-    # warm-up on an unrelated prompt (kernels, allocator), not timed
-    llm.generate([{"prompt_token_ids": toks(512, 7)}], params, use_tqdm=False)
+    # warm-up on unrelated prompts (kernels, allocator), not timed; for the hybrid model as
+    # long as the run's (its FLA kernels compile and autotune at first use of each shape)
+    warm = ([toks(args.prefix_len + args.suffix_len, 7 + i) for i in range(2)]
+            if args.model == "kimi-linear" else [toks(512, 7)])
+    llm.generate([{"prompt_token_ids": w} for w in warm], params, use_tqdm=False)
     llm.reset_prefix_cache()
+    phases: list[dict] = []
+    if args.verify_ab:
+        from kvtier.testing.verify_switch import rpc_set_verify
+
+        for i in range(2 * args.verify_ab):
+            on = i % 2 == 1
+            switched = llm.collective_rpc(rpc_set_verify, args=(on,))
+            llm.reset_prefix_cache()
+            t = time.time()
+            llm.generate(workload(1 + i), params, use_tqdm=False)
+            phases.append({"verify": on, "wall_s": time.time() - t, "switched": switched})
+            print(f"phase {i}: verify {'on' if on else 'off'}: {phases[-1]['wall_s']:.2f} s",
+                  flush=True)
+        llm.collective_rpc(rpc_set_verify, args=(True,))
+        llm.reset_prefix_cache()
+    prompts = workload(0)
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.time() - t
@@ -152,6 +180,7 @@ def main() -> int:
         "input_tok_per_s": n_in / wall, "cached_prompt_tokens": cached,
         "repeated_prefix_tokens": args.prefix_len * args.prefixes * (args.per_prefix - 1),
         "ttft_s": ttfts, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "verify_ab": phases,
     }
     if args.config == "kvtier":
         try:  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's counters
@@ -161,6 +190,7 @@ def main() -> int:
             res["kvtier"] = {
                 "hit_tokens": st.hit_tokens, "loaded_tokens": st.loaded_tokens,
                 "loads_ok": st.loads_ok, "loads_failed": st.loads_failed,
+                "checksum_failures": getattr(st, "checksum_failures", None),
                 "declined": dict(st.declined), "saves_planned": st.saves_planned,
                 "saves_committed": st.saves_committed, "saves_dropped": dict(st.saves_dropped),
                 "evictions": sched.index.evictions, "link_gbps_estimate": sched.estimates.link_gbps,

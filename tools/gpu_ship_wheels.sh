@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Downloads the Python wheels the GPU image and ../shared/gpu-kit lack, into a git-ignored
+# Downloads the Python wheels the GPU image and the gpu-kit (vLLM 0.25.1 for the GPU host) lack, into a git-ignored
 # folder the device tool carries, and prints how to install them there (bench/notes/
 # flashinfer-h200.md says why and what was checked).
 #

@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 
 from kvtier.log import get_logger
 from kvtier.protocol import Job, JobKind
-from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+from kvtier.transfer import (
+    ChunkMover,
+    Completion,
+    EngineWrapper,
+    ThreadedTransferEngine,
+    TransferEngine,
+)
 
 LOAD_RETRIES = 2
 """Re-issues of a failed load before it is reported (3 attempts in all)."""
@@ -30,27 +36,19 @@ LOAD_RETRIES = 2
 logger = get_logger("worker")
 
 
-class RetryingLoads(TransferEngine):
+class RetryingLoads(EngineWrapper):
     def __init__(self, inner: TransferEngine, retries: int = LOAD_RETRIES) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.retries = retries
         self._loads: dict[int, tuple[Job, int]] = {}  # job id -> (job, re-issues so far)
         self._errors: dict[int, str] = {}  # job id -> why its last attempt failed
         self.reissued = 0  # re-issues, ever
 
-    def save(self, job: Job) -> None:
-        self.inner.save(job)
-
     def load(self, job: Job) -> None:
         self._loads[job.job_id] = (job, 0)
         self.inner.load(job)
 
-    def verify(self, job: Job) -> None:
-        """Checks are not copies: a verify job is never re-issued (a mismatch stays one)."""
-        self.inner.verify(job)
-
-    def fence(self, job_ids: Sequence[int]) -> int:
-        return self.inner.fence(job_ids)
+    # verify jobs pass through (EngineWrapper): a check is not a copy, never re-issued
 
     def poll(self) -> list[Completion]:
         return [c for c in self.inner.poll() if not self._reissued(c)]
@@ -84,18 +82,9 @@ class RetryingLoads(TransferEngine):
         errors, self._errors = self._errors, {}
         return errors
 
-    def pending(self) -> int:
-        return self.inner.pending()
-
-    def tick(self) -> None:
-        self.inner.tick()
-
     def drain(self) -> None:
         """The inner engine's drain: a load re-issued by a later poll runs after it."""
         self.inner.drain()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def retrying_factory(inner: Callable[[ChunkMover], TransferEngine] | None,

@@ -363,10 +363,13 @@ class OffloadScheduler:
         """Keep the chunks that verified pinned for the promise; drop those that did not."""
         st = js.state
         prep = st.preparation if st is not None else None
-        current = prep is not None and prep.job == js.job.job_id and not st.finished
+        current = (prep is not None and prep.job == js.job.job_id and not st.finished
+                   and st.prepare_declined is None)  # else: given up, keep nothing
         if prep is not None and prep.job == js.job.job_id:
             prep.job = None
         keep = []
+        # a failed job proves nothing about its other chunks (a rank may have failed for
+        # another reason): they are verified again by the next job
         for e in js.entries:
             if current and not js.failed and not e.doomed:
                 prep.prepared[(e.group, e.key)] = e  # type: ignore[union-attr]

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -113,6 +114,58 @@ class TransferEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+
+class EngineWrapper(TransferEngine):
+    """An engine around another (``inner``): every call goes through unchanged unless a
+    subclass overrides it. Wrappers stack (re-issued loads around test faults around the
+    real engine), so a wrapper must pass on what it does not change, verify jobs included:
+    subclass this rather than :class:`TransferEngine`."""
+
+    def __init__(self, inner: TransferEngine) -> None:
+        self.inner = inner
+
+    def save(self, job: Job) -> None:
+        self.inner.save(job)
+
+    def load(self, job: Job) -> None:
+        self.inner.load(job)
+
+    def verify(self, job: Job) -> None:
+        self.inner.verify(job)
+
+    def fence(self, job_ids: Sequence[int]) -> int:
+        return self.inner.fence(job_ids)
+
+    def poll(self) -> list[Completion]:
+        return self.inner.poll()
+
+    def query(self, job_ids: Sequence[int]) -> list[Completion]:
+        return self.inner.query(job_ids)
+
+    def pending(self) -> int:
+        return self.inner.pending()
+
+    def tick(self) -> None:
+        self.inner.tick()
+
+    def drain(self) -> None:
+        self.inner.drain()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+E = TypeVar("E", bound=TransferEngine)
+
+
+def find_engine(engine: TransferEngine | None, kind: type[E]) -> E | None:
+    """The first engine of type ``kind`` in a stack of wrappers, outermost first."""
+    while engine is not None:
+        if isinstance(engine, kind):
+            return engine
+        engine = getattr(engine, "inner", None)
+    return None
 
 
 class ChunkMover:

@@ -3,6 +3,14 @@
 One-pass scans churn probation only, so a hot set that was hit at least once survives them.
 Protected holds at most ``protected_fraction`` of the capacity; its overflow is demoted to the
 newest end of probation. Victims come from probation first, then protected.
+
+A ghost list remembers the keys last evicted from probation (keys only, up to ``capacity`` of
+them): a key saved again while remembered was reused, only further apart than probation
+holds, so it enters protected directly (2Q's A1out). Without it a working set whose reuse
+distance exceeds probation is never kept once protected is full of an earlier one (seen on
+the H200: after the pool filled with one workload's prefixes, the next workload's prefixes,
+each reused after ~16 GB of other saves against ~10 GB of probation, got no hit at all). A
+one-pass scan never comes back, so it still churns probation only.
 """
 
 from __future__ import annotations
@@ -20,9 +28,13 @@ class SLRUPolicy(EvictionPolicy):
         self.protected_capacity = max(1, int(capacity * protected_fraction))
         self._probation = KeyList()
         self._protected = KeyList()
+        self._ghost = KeyList()  # keys evicted from probation, newest at the back
+        self.ghost_capacity = max(1, capacity)
 
     def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
-        if parent is not None and parent in self._probation:
+        if self._ghost.discard(key):  # reused beyond probation's reach: keep it
+            self._protect(key)
+        elif parent is not None and parent in self._probation:
             self._probation.insert_before(key, parent)
         else:
             self._probation.push_back(key)
@@ -32,9 +44,12 @@ class SLRUPolicy(EvictionPolicy):
             self._protected.move_to_back(key)
         elif key in self._probation:
             self._probation.remove(key)
-            self._protected.push_back(key)
-            while len(self._protected) > self.protected_capacity:
-                self._probation.push_back(self._protected.pop_front())
+            self._protect(key)
+
+    def _protect(self, key: Hashable) -> None:
+        self._protected.push_back(key)
+        while len(self._protected) > self.protected_capacity:
+            self._probation.push_back(self._protected.pop_front())
 
     def remove(self, key: Hashable) -> None:
         if not self._probation.discard(key):
@@ -42,9 +57,12 @@ class SLRUPolicy(EvictionPolicy):
 
     def victim(self, evictable: Evictable) -> Hashable | None:
         key = pick_from_front(self._probation, evictable, self.scan_limit)
-        if key is None:
-            key = pick_from_front(self._protected, evictable, self.scan_limit)
-        return key
+        if key is not None:
+            self._ghost.push_back(key)
+            while len(self._ghost) > self.ghost_capacity:
+                self._ghost.pop_front()
+            return key
+        return pick_from_front(self._protected, evictable, self.scan_limit)
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)

@@ -31,7 +31,13 @@ import torch
 
 from kvtier.layout import Layout, layer_index
 from kvtier.protocol import SKIP, Job
-from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+from kvtier.transfer import (
+    ChunkMover,
+    Completion,
+    EngineWrapper,
+    ThreadedTransferEngine,
+    TransferEngine,
+)
 
 EngineFactory = Callable[[ChunkMover], TransferEngine]
 Tensors = torch.Tensor | Sequence[torch.Tensor]
@@ -147,19 +153,16 @@ class _Kept:
     values: torch.Tensor
 
 
-class MaskedLoads(TransferEngine):
+class MaskedLoads(EngineWrapper):
     """Loads that leave :attr:`mask`'s bytes of their destination blocks as they were
     (``None``: the wrapped engine itself). ``masked`` counts the bytes kept, ever."""
 
     def __init__(self, inner: TransferEngine, layout: Layout) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.layout = layout
         self.mask: ByteMask | None = None
         self.masked = 0
         self._kept: dict[int, list[_Kept]] = {}
-
-    def save(self, job: Job) -> None:
-        self.inner.save(job)
 
     def load(self, job: Job) -> None:
         if self.mask is not None:
@@ -189,26 +192,11 @@ class MaskedLoads(TransferEngine):
                 self.masked += k.positions.numel()
         return done
 
-    def fence(self, job_ids: Sequence[int]) -> int:
-        return self.inner.fence(job_ids)
-
     def poll(self) -> list[Completion]:
         return self._finish(self.inner.poll())
 
     def query(self, job_ids: Sequence[int]) -> list[Completion]:
         return self._finish(self.inner.query(job_ids))
-
-    def pending(self) -> int:
-        return self.inner.pending()
-
-    def tick(self) -> None:
-        self.inner.tick()
-
-    def drain(self) -> None:
-        self.inner.drain()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def masked_factory(inner: EngineFactory | None = None) -> Callable[[ChunkMover], MaskedLoads]:

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 
 from kvtier.layout import GroupKind, Layout
 from kvtier.protocol import Job, JobKind
-from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+from kvtier.transfer import (
+    ChunkMover,
+    Completion,
+    EngineWrapper,
+    ThreadedTransferEngine,
+    TransferEngine,
+)
 
 EngineFactory = Callable[[ChunkMover], TransferEngine]
 
@@ -43,9 +49,9 @@ class _Held:
     job: Job
 
 
-class FaultyEngine(TransferEngine):
+class FaultyEngine(EngineWrapper):
     def __init__(self, inner: TransferEngine, layout: Layout) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.layout = layout
         self.raise_in_jobs = 0
         self.skip_load_chunk = -1

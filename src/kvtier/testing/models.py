@@ -50,6 +50,26 @@ def tiny_deepseek_v2(path: str, layers: int = 2) -> str:
     })
 
 
+def tiny_deepseek_v3_mtp(path: str, layers: int = 2) -> str:
+    """:func:`tiny_deepseek_v2`'s MLA shape as ``DeepseekV3ForCausalLM`` with one MTP layer
+    (``num_nextn_predict_layers`` 1), served as its own draft (``--speculative-config
+    '{"method": "mtp"}'``); vLLM registers the draft layer as ``model.layers.{layers}``."""
+    return _write(path, {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": layers,
+        "num_nextn_predict_layers": 1, "vocab_size": 1024, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "scoring_func": "softmax", "topk_method": "greedy",
+        "norm_topk_prob": False, "rope_theta": 10000.0, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "attention_bias": False,
+    })
+
+
 def tiny_gemma2(path: str, layers: int = 4, window: int = 128) -> str:
     """Gemma-2-style model: layers alternate sliding-window (even) and full attention (odd),
     which vLLM serves as two KV-cache groups."""

@@ -4,10 +4,11 @@ made independently of kvtier's own bookkeeping. Never used in production.
 - Scheduler side: per finished request, vLLM's block table as its workers hold it: built from
   every ``SchedulerOutput`` the way a model runner builds it (new requests, appended blocks,
   resumed requests replaced), overlaid with the ids vLLM passes to
-  ``request_finished_all_groups`` (the mirror fills only a state group's null positions). The mirror matters for recurrent state: a mamba "align"
-  table nulls its interior states as the request advances (they stay in HBM as cached
-  blocks), so the manager's own table at the end no longer names the state block of an
-  earlier boundary, while the worker's table, which the forward used, still does.
+  ``request_finished_all_groups`` (the mirror fills only a state group's null positions).
+  The mirror matters for recurrent state: a mamba "align" table nulls its interior states as
+  the request advances (they stay in HBM as cached blocks), so the manager's own table at the
+  end no longer names the state block of an earlier boundary, while the worker's table, which
+  the forward used, still does.
 - Worker side: the tensors vLLM registered, untouched, so a check can read a block through
   vLLM's indexing (``kv[b]``) and overwrite every block with a fill pattern; and its transfer
   engine wrapped in a :class:`~kvtier.testing.faults.FaultyEngine` (every fault off until a
@@ -26,7 +27,7 @@ import torch
 from kvtier.layout import GroupKind
 from kvtier.testing.controls import MaskedLoads, masked_factory
 from kvtier.testing.faults import FaultyEngine, faulty_factory
-from kvtier.transfer import ChunkMover, TransferEngine
+from kvtier.transfer import ChunkMover, TransferEngine, find_engine
 from kvtier.vllm.connector import KvtierConnector
 
 
@@ -94,15 +95,16 @@ class ProbeConnector(KvtierConnector):
     def faults(self) -> FaultyEngine:
         """The fault switches of this worker's transfer engine."""
         worker = self.worker_side.worker
-        assert worker is not None and isinstance(worker.engine, FaultyEngine)
-        return worker.engine
+        faults = find_engine(worker.engine if worker is not None else None, FaultyEngine)
+        assert faults is not None, "no FaultyEngine in this worker's engine stack"
+        return faults
 
     @property
     def load_controls(self) -> MaskedLoads:
         """The byte-level negative controls of this worker's loads."""
-        inner = self.faults.inner
-        assert isinstance(inner, MaskedLoads)
-        return inner
+        controls = find_engine(self.faults, MaskedLoads)
+        assert controls is not None, "no MaskedLoads in this worker's engine stack"
+        return controls
 
     # -- worker-side checks, through vLLM's tensors only -----------------------------------
     def _tensors(self, value: Any) -> list[torch.Tensor]:

@@ -56,6 +56,16 @@ def promises_are_final(num_groups: int) -> bool:
     return num_groups > 1 and not HAS_FAILED_RECVING
 
 
+def local_hit_is_longest_group_hit() -> bool:
+    """Whether vLLM tells the connector of a mamba hybrid the longest of its groups' local
+    hits rather than their common hit: 0.25.1, for any connector (``sched.py:687-715``);
+    0.32 only for connectors that opt in (``supports_divergent_local_hybrid_hits``), which
+    kvtier does not (docs/vllm-api.md §0 item 8)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return not hasattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
+
+
 def parked_requests_drained_first() -> bool:
     """Whether vLLM's scheduler admits requests that hold KV blocks (parked loads) before the
     others. 0.32 keeps them in a queue of their own, drained first; 0.25.1's priority policy

@@ -70,6 +70,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: nothing must be handed off before freeing
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.scheduler_side.bind_block_pool(gpu_block_pool)
+
     def on_new_request(self, request: Any, **kwargs: Any) -> None:
         self.scheduler_side.on_new_request(request)
 

@@ -139,8 +139,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         for key, value in data.items():
             if isinstance(value, list):
                 hist = self._histograms.get((engine_idx, key))
-                for v in value if hist is not None else ():
-                    hist.observe(v)
+                if hist is not None:
+                    for v in value:
+                        hist.observe(v)
                 continue
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue

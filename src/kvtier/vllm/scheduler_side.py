@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.geometry import Geometry
 from kvtier.keys import Namespace
+from kvtier.layout import GroupKind
 from kvtier.log import get_logger
 from kvtier.protocol import StepPlan
 from kvtier.scheduler import (
@@ -28,6 +29,7 @@ from kvtier.vllm import compat, startup
 from kvtier.vllm.counters import scheduler_counts
 from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
 from kvtier.vllm.groups import EngineGroups
+from kvtier.vllm.hybrid_hits import forget_hits_beyond, state_boundary_in_hbm
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import stats_payload
@@ -51,6 +53,16 @@ class SchedulerSide:
         # requests vLLM scheduled before the scheduler half existed: their block tables are
         # unknown, so nothing is saved from them until a step hands over a full table
         self._blind: set[str] = set()
+        # vLLM's block pool where its local hit of a hybrid can outrun the state groups'
+        # (kvtier.vllm.hybrid_hits); None elsewhere
+        self._block_pool: Any = None
+        self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
+
+    def bind_block_pool(self, pool: Any) -> None:
+        groups = self.setup.groups
+        if (groups is not None and compat.local_hit_is_longest_group_hit()
+                and any(s.kind is GroupKind.STATE for s in groups.specs)):
+            self._block_pool = pool
 
     # -- requests ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -72,6 +84,31 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        n, load = self._matched_tokens(request, num_computed_tokens)
+        if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
+            return None, False  # asked again next step, at a local hit with its state
+        return n, load
+
+    def _state_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
+        """Whether vLLM's local hit runs past the state groups' own (kvtier's answer loads
+        nothing): then the attention groups' cache entries past the state are dropped
+        (:mod:`kvtier.vllm.hybrid_hits`)."""
+        pool, groups = self._block_pool, self.setup.groups
+        if pool is None or groups is None or local_hit <= 0:
+            return False
+        hashes = request.block_hashes
+        state_hit = state_boundary_in_hbm(pool, hashes, groups, local_hit)
+        if state_hit >= local_hit:
+            return False
+        dropped = forget_hits_beyond(pool, hashes, groups, state_hit, local_hit)
+        self.hits_forgotten += dropped
+        logger.debug("kvtier: request %s: local hit %d has no state past %d; %d attention "
+                     "prefix-cache entries dropped", request.request_id, local_hit, state_hit,
+                     dropped)
+        return dropped > 0
+
+    def _matched_tokens(self, request: Any, num_computed_tokens: int
+                        ) -> tuple[int | None, bool]:
         if self.setup.disabled_reason:
             return 0, False
         if self.scheduler is None:

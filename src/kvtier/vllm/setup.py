@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import KvtierConfig
+from kvtier.layout import GroupKind
 from kvtier.log import get_logger
 from kvtier.vllm import compat, startup
 from kvtier.vllm.groups import EngineGroups, UnsupportedModel, engine_groups
@@ -51,6 +52,8 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
         groups = engine_groups(kv_cache_config)
     except UnsupportedModel as e:
         disabled_reason = str(e)
+    if groups is not None and disabled_reason is None:
+        check_state_cache_mode(vllm_config, groups)
     loads_enabled = _loads_enabled(vllm_config, is_scheduler)
     if disabled_reason:
         logger.warning("kvtier is off for this engine: %s", disabled_reason)
@@ -74,6 +77,24 @@ def draft_lookahead(vllm_config: Any) -> int:
     (n-gram, a separate draft model) write no KV that looks ahead."""
     spec = getattr(vllm_config, "speculative_config", None)
     return 1 if spec is not None and spec.use_eagle() else 0
+
+
+STATE_CACHE_MODES = ("align", "all")
+"""``mamba_cache_mode`` values that keep a recurrent state per block position (what kvtier
+saves at a boundary and restores there); ``none`` keeps one running state per request."""
+
+
+def check_state_cache_mode(vllm_config: Any, groups: EngineGroups) -> None:
+    """Refuse a model with recurrent-state groups whose states vLLM does not keep per block
+    (``cache_config.mamba_cache_mode`` 'none', what vLLM picks without prefix caching)."""
+    if not any(s.kind is GroupKind.STATE for s in groups.specs):
+        return
+    mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
+    if mode not in STATE_CACHE_MODES:
+        startup.fail(f"mamba_cache_mode={mode!r} keeps one recurrent state per request, which "
+                     "kvtier cannot store per prefix",
+                     "start vLLM with --enable-prefix-caching (vLLM then picks "
+                     "mamba_cache_mode 'align'), or set --mamba-cache-mode align or all")
 
 
 def _loads_enabled(vllm_config: Any, is_scheduler: bool) -> bool:

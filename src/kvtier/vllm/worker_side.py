@@ -22,7 +22,7 @@ from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
 from kvtier.protocol import StepPlan
 from kvtier.slab import Pinner
-from kvtier.transfer import ChunkMover, TransferEngine
+from kvtier.transfer import ChunkMover, TransferEngine, find_engine
 from kvtier.vllm import compat, startup
 from kvtier.vllm.block_axes import registered_block_axes
 from kvtier.vllm.counters import worker_counts, worker_observations
@@ -169,8 +169,8 @@ class WorkerSide:
         if self.worker is None:
             return None
         geoms = [self._geometry] if (self._geometry and not self._geometry_acked) else []
-        engine = self.worker.engine
-        errors = engine.take_errors() if isinstance(engine, RetryingLoads) else {}
+        retrying = find_engine(self.worker.engine, RetryingLoads)
+        errors = retrying.take_errors() if retrying is not None else {}
         meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms,
                                     load_errors=errors)
         self._result = StepResult()

@@ -1,0 +1,82 @@
+"""The local hit vLLM 0.25.1 tells a connector for a hybrid model, made safe
+(docs/vllm-api.md §0 item 8; issue 13).
+
+With any connector attached, 0.25.1 computes a mamba hybrid's local hit per group and tells
+the connector the *longest* (``v1/core/sched/scheduler.py:687-715``): the attention groups
+may hit ``L`` tokens while a state group holds no state after ``L`` tokens. The runner then
+starts the recurrence at ``L`` from the state block ``(L - 1) // block_size`` of the state
+group's table (``v1/worker/mamba_utils.py`` ``preprocess_mamba``), which is vLLM's null block
+or a fresh one: silently wrong output, whatever the connector answers unless its load brings
+a state.
+
+What kvtier does (:func:`state_boundary_in_hbm`, :func:`forget_hits_beyond`):
+
+- its hit goes past ``L`` to a chunk boundary whose state it stores: the load brings that
+  state with the attention chunks (all or nothing per boundary): nothing else to do;
+- otherwise it finds ``S``, the longest prefix (at most ``L``) after which every state group
+  has its state in HBM, drops the attention groups' prefix-cache entries of this prompt's
+  blocks in ``[S, L)`` from vLLM's block pool (``BlockPool.evict_blocks``: blocks in use stay
+  with their requests, only their cache entries go) and defers the request (``None``); at
+  the next step vLLM's hit is ``S`` for every group, where a state exists, and kvtier's hit
+  (if any) starts from there. The cost is HBM prefix-cache entries that no state matches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.layout import GroupKind
+from kvtier.vllm.groups import EngineGroups
+
+MAX_DUPLICATES = 64
+"""Cached copies of one block hash dropped at most (vLLM keeps duplicates; a bound, never a
+loop without end)."""
+
+
+def _hash_at(block_hashes: Sequence[Any], hash_block_size: int, tokens: int) -> Any:
+    """The chained block hash of the prompt's first ``tokens`` tokens (a multiple of
+    ``hash_block_size``): each hash covers its whole prefix."""
+    return block_hashes[tokens // hash_block_size - 1]
+
+
+def _groups_of(groups: EngineGroups, state: bool) -> list[tuple[int, int]]:
+    return [(e, s.block_size) for e, s in zip(groups.engine_ids, groups.specs)
+            if (s.kind is GroupKind.STATE) == state]
+
+
+def state_boundary_in_hbm(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups,
+                          local_hit: int) -> int:
+    """The longest prefix of at most ``local_hit`` tokens after which every state group's
+    state is cached in ``pool`` (0: none; ``local_hit`` where the model has no state group)."""
+    state = _groups_of(groups, state=True)
+    if not state or local_hit <= 0:
+        return local_hit
+    hbs = int(pool.hash_block_size)
+    step = math.lcm(hbs, *(bs for _, bs in state))
+    tokens = min(local_hit, len(block_hashes) * hbs) // step * step
+    while tokens > 0:
+        h = _hash_at(block_hashes, hbs, tokens)
+        if all(pool.get_cached_block(h, [e]) for e, _ in state):
+            return tokens
+        tokens -= step
+    return 0
+
+
+def forget_hits_beyond(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups,
+                       start: int, end: int) -> int:
+    """Drop the prefix-cache entries of the attention groups' blocks of this prompt covering
+    tokens ``[start, end)``; returns how many were dropped."""
+    hbs = int(pool.hash_block_size)
+    dropped = 0
+    for engine_id, bs in _groups_of(groups, state=False):
+        for j in range(start // bs, end // bs):
+            h = _hash_at(block_hashes, hbs, (j + 1) * bs)
+            for _ in range(MAX_DUPLICATES):
+                cached = pool.get_cached_block(h, [engine_id])
+                if not cached:
+                    break
+                pool.evict_blocks({cached[0].block_id})
+                dropped += 1
+    return dropped
