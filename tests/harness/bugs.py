@@ -335,6 +335,15 @@ def revert_cross_group_fence() -> contextlib.AbstractContextManager[None]:
     return _patched(OffloadScheduler, "build_step", build_step)
 
 
+def revert_reverse_hybrid_hit() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, on vLLM 0.25.1 kvtier handled a hybrid's local hit that ran past the
+    state groups' only, not one that ran past the attention groups' (a state cached after
+    more tokens than the attention blocks; kvtier's own drops of attention entries for
+    another prompt make it common): the forward read attention blocks nobody computed."""
+    return _patched(SchedulerSide, "_attention_missing_at_local_hit",
+                    lambda self, request, local_hit: False)
+
+
 REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "recycled_id": revert_recycled_id,
     "preempt_order": revert_preempt_order,
@@ -343,6 +352,7 @@ REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "exactly_once": revert_exactly_once,
     "window_release": revert_window_release,
     "cross_group_fence": revert_cross_group_fence,
+    "reverse_hybrid_hit": revert_reverse_hybrid_hit,
 }
 
 __all__ = ["MULTI_GROUP_PLANTED", "PLANTED", "REVERTS", "Bug", "RequestState", "revert_blind_requests",

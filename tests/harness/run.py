@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", choices=sorted(CASES),
                     help="run a regression family (seeds 0-3, every combo); with --revert, "
                     "also with that fix reverted")
-    ap.add_argument("--revert", choices=sorted(REVERTS))
+    ap.add_argument("--revert", choices=sorted(REVERTS),
+                    help="with --case: also run it with that fix reverted; else the batch "
+                    "runs with it reverted")
     ap.add_argument("--planted", action="store_true",
                     help="run each planted bug until the oracle catches it (JSON with --json)")
     ap.add_argument("--groups", default="full",
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             res = run_scenario(sc, trace=trace)
         print(res.summary())
         return 0 if res.ok else 1
-    batch = run_batch(scenarios(args.scenarios, args.seed, group_sets=group_sets), bug)
+    with REVERTS[args.revert]() if args.revert else contextlib.nullcontext():
+        batch = run_batch(scenarios(args.scenarios, args.seed, group_sets=group_sets), bug)
     summary = batch.to_json()
     if args.json == "-":
         json.dump(summary, sys.stdout)

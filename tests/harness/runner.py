@@ -185,7 +185,7 @@ class FakeRunner:
         engine: TransferEngine = HarnessEngine(transport, rank, worker.mover)
         if isinstance(original, RetryingLoads):  # vLLM 0.25.1, several groups: kvtier's own
             engine = RetryingLoads(engine, original.retries)  # re-issue stays in the path
-            transport.load_attempts = original.retries + 1
+            transport.failable_load_attempts = 1
         worker.engine = engine
         original.close()
         self.requests: dict[str, ReqState] = {}
