@@ -79,6 +79,19 @@ def test_which_blocks_a_save_reads() -> None:
     assert GEO.blocks_to_save(2, state_table, 1, 130) is None  # no state ends there
 
 
+def test_a_window_chunk_whose_blocks_vllm_released_before_the_step_is_not_saved() -> None:
+    """vLLM frees window block k once (k + 1) * 16 <= computed - 100 + 1, in the scheduling of
+    the step, and tells no connector (its own table gets the null block): kvtier's copy still
+    shows the block. Chunk 1 (blocks 4-7) completing in a step that starts at 180 computed
+    tokens: block 4 (tokens 64-79) went at 80 + 99 = 179, so it is not saved; from 178 it
+    is still the request's."""
+    table = list(range(1, 13))
+    assert GEO.blocks_to_save(1, table, 1, 192, computed_before=180) is None
+    assert GEO.blocks_to_save(1, table, 1, 192, computed_before=178) == [5, 6, 7, 8]
+    assert GEO.blocks_to_save(1, table, 1, 192) == [5, 6, 7, 8]  # unknown: as before
+    assert GEO.blocks_to_save(0, table, 1, 192, computed_before=180) == [5, 6, 7, 8]  # full
+
+
 def test_which_blocks_a_load_writes() -> None:
     table = [1, 2, 3, 4, 5, 6, 7, 8]
     assert GEO.blocks_to_load(0, table, 1, 0) == [5, 6, 7, 8]

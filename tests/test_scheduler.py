@@ -139,6 +139,26 @@ def test_a_step_that_reallocates_a_block_a_save_still_reads_fences_the_save() ->
     sched.on_report(WorkerReport(saves=ok(plan.saves)))
 
 
+def test_a_block_reused_by_another_group_fences_the_save_that_reads_it() -> None:
+    """vLLM's hybrid allocator has one block pool for every group: a block that a save of the
+    full group still reads can come back as a sliding-window block of another request (found
+    by the reliability harness, scenario full+swa seed 13, two ranks)."""
+    sched = make_scheduler()
+    sched.add_request("a")
+    plan_a = new_step(sched, "a", tokens(64), table(1, 4), computed_after=64)
+    full_save = plan_a.saves[1]  # chunk 1: blocks 3-4 (full), 103-104 (window)
+    assert 3 in full_save.ops[0].block_ids and full_save.ops[0].group == 0
+    sched.request_finished("a")
+    sched.add_request("c")
+    # c's full group gets fresh blocks; its window group gets block 3
+    plan = new_step(sched, "c", tokens(40, seed=2), [[60, 61, 62], [3, 51, 52]],
+                    computed_after=40)
+    assert plan.fence == [full_save.job_id]
+    sched.on_report(WorkerReport(saves=ok(plan_a.saves)))
+    sched.request_finished("c")
+    sched.on_report(WorkerReport(saves=ok(plan.saves)))
+
+
 def test_preemption_fences_the_requests_saves_and_its_resumed_table_is_used() -> None:
     sched = make_scheduler()
     p = tokens(100, seed=3)

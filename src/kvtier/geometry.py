@@ -162,12 +162,17 @@ class Geometry:
         return self._rules(group).blocks_to_load(self, group, table, chunk, hbm_tokens)
 
     def blocks_to_save(self, group: int, table: Sequence[int], chunk: int,
-                       computed_tokens: int) -> list[int] | SaveDrop | None:
+                       computed_tokens: int, computed_before: int | None = None
+                       ) -> list[int] | SaveDrop | None:
         """The block ids chunk ``chunk`` of ``group`` is saved from, once ``computed_tokens``
         tokens are in the cache: None when the group has nothing to save for this chunk (a
         state that does not exist there, a window already past), or why the whole chunk
-        must be dropped."""
-        return self._rules(group).blocks_to_save(self, group, table, chunk, computed_tokens)
+        must be dropped. ``computed_before``: the tokens computed before this step, where
+        known; a sliding-window group's blocks that left the window then were released by
+        vLLM in this step's scheduling (and may already hold another request's KV), which
+        ``table`` (kvtier's own copy, never told) does not show."""
+        return self._rules(group).blocks_to_save(self, group, table, chunk, computed_tokens,
+                                                 computed_before)
 
     def load_bytes(self, boundary: int, hbm_tokens: int) -> int:
         """Bytes one rank reads to restore tokens [hbm_tokens, boundary * chunk_tokens)."""
@@ -225,7 +230,8 @@ class _KindRules:
                 for i, b in enumerate(ids)]
 
     def blocks_to_save(self, geo: Geometry, g: int, table: Sequence[int], chunk: int,
-                       computed_tokens: int) -> list[int] | SaveDrop | None:
+                       computed_tokens: int, computed_before: int | None = None
+                       ) -> list[int] | SaveDrop | None:
         bpc = self.blocks_per_chunk(geo, g)
         ids = list(table[chunk * bpc:(chunk + 1) * bpc])
         if len(ids) < bpc or NULL_BLOCK in ids:
@@ -257,6 +263,22 @@ class _WindowRules(_KindRules):
     def missing_blocks(self) -> SaveDrop | None:
         return None  # out of the window already: not needed for any later hit
 
+    def blocks_to_save(self, geo: Geometry, g: int, table: Sequence[int], chunk: int,
+                       computed_tokens: int, computed_before: int | None = None
+                       ) -> list[int] | SaveDrop | None:
+        if computed_before is not None:
+            # vLLM frees a window group's block k once (k + 1) * block_size <=
+            # computed - window + 1 (SlidingWindowManager.get_num_skipped_tokens, both
+            # versions; 0.32 frees at most that many), replacing it by the null block in its
+            # table only: a chunk whose first block went then is not the request's any more.
+            # Those positions are out of the window of every boundary at or after this chunk's
+            # end, so no hit needs them; but a stored chunk must hold its own bytes throughout.
+            gg = geo.groups[g]
+            released = max(0, computed_before - (gg.sliding_window or 0) + 1) // gg.block_size
+            if chunk * self.blocks_per_chunk(geo, g) < released:
+                return None
+        return super().blocks_to_save(geo, g, table, chunk, computed_tokens, computed_before)
+
 
 class _StateRules(_KindRules):
     """Recurrent state: one block per chunk, the state after the chunk's last token."""
@@ -280,7 +302,8 @@ class _StateRules(_KindRules):
         return [self._state_block(geo, g, table, chunk)]
 
     def blocks_to_save(self, geo: Geometry, g: int, table: Sequence[int], chunk: int,
-                       computed_tokens: int) -> list[int] | SaveDrop | None:
+                       computed_tokens: int, computed_before: int | None = None
+                       ) -> list[int] | SaveDrop | None:
         if computed_tokens != (chunk + 1) * geo.chunk_tokens:
             return None  # state exists only where a step ended exactly
         return [self._state_block(geo, g, table, chunk)]

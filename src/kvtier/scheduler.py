@@ -82,6 +82,7 @@ class ScheduledTokens:
     tokens: Sequence[int]  # every token known so far
     computed_after: int  # tokens whose KV is in the cache once this step ran
     num_prompt: int
+    computed_before: int | None = None  # tokens computed before this step (None: unknown)
 
 
 @dataclass
@@ -448,9 +449,12 @@ class OffloadScheduler:
 
     # -- saves ------------------------------------------------------------------------------
     def plan_saves(
-        self, req_id: str, tokens: Sequence[int], computed_after_step: int, num_prompt: int
+        self, req_id: str, tokens: Sequence[int], computed_after_step: int, num_prompt: int,
+        computed_before: int | None = None,
     ) -> list[Job]:
-        """Queue saves of the chunks that are full and computed after this step."""
+        """Queue saves of the chunks that are full and computed after this step
+        (``computed_before``: tokens computed before it, where known; see
+        :meth:`~kvtier.geometry.Geometry.blocks_to_save`)."""
         st = self.requests.get(req_id)
         if st is None or st.finished:
             return []
@@ -468,7 +472,7 @@ class OffloadScheduler:
         )
         jobs = []
         for j in todo:
-            reason = self._save_chunk(st, j, computed_after_step, jobs)
+            reason = self._save_chunk(st, j, computed_after_step, jobs, computed_before)
             if reason is not None:
                 self.stats.saves_dropped[reason.value] += 1
                 if reason.drops_later_chunks:
@@ -477,7 +481,8 @@ class OffloadScheduler:
         return jobs
 
     def _save_chunk(
-        self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job]
+        self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job],
+        computed_before: int | None = None,
     ) -> SaveDrop | None:
         key = st.keys.keys[j]
         parent = st.keys.keys[j - 1] if j > 0 else None
@@ -485,7 +490,8 @@ class OffloadScheduler:
         for g in range(len(self.geometry.groups)):
             if self.index.get(g, key) is not None:
                 continue  # stored or being written: never twice
-            ids = self.geometry.blocks_to_save(g, st.block_ids[g], j, computed_after_step)
+            ids = self.geometry.blocks_to_save(g, st.block_ids[g], j, computed_after_step,
+                                               computed_before)
             if isinstance(ids, SaveDrop):
                 return ids
             if ids is not None:
@@ -541,16 +547,21 @@ class OffloadScheduler:
         if step.copy_targets:
             self.note_allocated(step.copy_targets)
         for s in step.scheduled:
-            self.plan_saves(s.req_id, s.tokens, s.computed_after, s.num_prompt)
+            self.plan_saves(s.req_id, s.tokens, s.computed_after, s.num_prompt,
+                            s.computed_before)
         return self.build_step()
 
     def build_step(self) -> StepPlan:
         fence: set[int] = set()
-        for reading, allocated in zip(self._block_jobs, self._step_allocated):
+        # one block pool serves every group (vLLM's hybrid allocator: a block a window or
+        # state group released comes back in any group), so a save reading block b in one
+        # group is fenced when b is handed out in any group
+        allocated = set().union(*self._step_allocated)
+        allocated.discard(NULL_BLOCK)
+        for reading in self._block_jobs:
             if reading and allocated:
                 for b in allocated.intersection(reading):
-                    if b != NULL_BLOCK:
-                        fence.update(reading[b])
+                    fence.update(reading[b])
         for req_id in self._step_preempted:
             st = self.requests.get(req_id)
             if st is not None:

@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier import geometry
 from kvtier.index.memory import MemoryIndex
+from kvtier.layout import GroupKind
 from kvtier.scheduler import OffloadScheduler, RequestState
 from kvtier.transfer import ChunkMover, Completion
 from kvtier.vllm.scheduler_side import SchedulerSide
@@ -29,6 +31,7 @@ class Bug:
     fault_kinds: frozenset[str]  # faults the scenarios for it switch on
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     world_size: int | None = None  # the bug needs this many ranks
+    group_sets: tuple[str, ...] = ("full",)  # the KV-cache group sets its scenarios have
 
 
 @contextlib.contextmanager
@@ -139,6 +142,70 @@ PLANTED: dict[str, Bug] = {b.name: b for b in (
 )}
 
 
+# -- multi-group bugs: the per-kind rules of the oracle ----------------------------------------
+def skip_state_loads() -> contextlib.AbstractContextManager[None]:
+    """A load copies its KV but none of its state objects, and reports success."""
+    original = ChunkMover.load_op
+
+    def load_op(self: ChunkMover, op: Any) -> int:
+        if self.layout.groups[op.group].spec.kind is GroupKind.STATE:
+            return 0
+        return original(self, op)
+
+    return _patched(ChunkMover, "load_op", load_op)
+
+
+def interior_state_block() -> contextlib.AbstractContextManager[None]:
+    """A state object is addressed one table position early: an interior position (in
+    ``align`` mode the null block, or the state of an earlier step)."""
+
+    def _state_block(geo: Any, g: int, table: Any, chunk: int) -> int:
+        return table[(chunk + 1) * geo.chunk_tokens // geo.groups[g].block_size - 2]
+
+    return _patched(geometry._StateRules, "_state_block", staticmethod(_state_block))
+
+
+def state_off_boundary() -> contextlib.AbstractContextManager[None]:
+    """A chunk's state is saved although no step ended at the chunk's boundary (the block
+    then holds a later state)."""
+
+    def blocks_to_save(self: Any, geo: Any, g: int, table: Any, chunk: int,
+                       computed_tokens: int, computed_before: int | None = None) -> Any:
+        return [self._state_block(geo, g, table, chunk)]
+
+    return _patched(geometry._StateRules, "blocks_to_save", blocks_to_save)
+
+
+def window_not_loaded() -> contextlib.AbstractContextManager[None]:
+    """A hit is promised but its load restores no sliding-window chunk."""
+
+    def chunks_to_load(self: Any, geo: Any, g: int, first_chunk: int, boundary: int) -> range:
+        return range(0)
+
+    return _patched(geometry._WindowRules, "chunks_to_load", chunks_to_load)
+
+
+_MG_LOADS = frozenset({"exec_delay"})
+_STATE_SETS = ("full+mamba", "full+mamba+mamba")
+
+MULTI_GROUP_PLANTED: dict[str, Bug] = {b.name: b for b in (
+    Bug("skip_state_loads", "a load restores the KV but skips the state objects",
+        frozenset({"load_wrong_state", "wrong_state_read"}), _MG_LOADS, skip_state_loads,
+        group_sets=_STATE_SETS),
+    Bug("interior_state_block", "a state object is saved from and loaded into an interior "
+        "table position", frozenset({"save_wrong_state", "load_wrong_state",
+                                     "load_into_null_block", "wrong_state_read"}),
+        _MG_LOADS, interior_state_block, group_sets=_STATE_SETS),
+    Bug("state_off_boundary", "a state is saved where no step ended at the boundary",
+        frozenset({"save_wrong_state", "load_wrong_state", "wrong_state_read"}), _MG_LOADS,
+        state_off_boundary, group_sets=_STATE_SETS),
+    Bug("window_not_loaded", "a load restores no sliding-window chunk",
+        frozenset({"wrong_kv_read"}), _MG_LOADS, window_not_loaded, group_sets=("full+swa",)),
+)}
+"""Bugs of the multi-group rules (recurrent state, sliding window): the oracle's per-kind
+checks must catch each (tests/test_harness_multigroup.py)."""
+
+
 # -- reverted fixes (bugs the harness found in kvtier) ----------------------------------------
 def revert_recycled_id() -> contextlib.AbstractContextManager[None]:
     """Before the fix, a request whose id was still known to kvtier (a finished request with
@@ -231,14 +298,63 @@ def _collect_without_query(self: OffloadWorker) -> StepResult:
     return out
 
 
+def revert_window_release() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, a sliding-window chunk was saved from blocks vLLM had released (out of
+    the window) in the scheduling of that very step: kvtier's copy of the table still showed
+    them, and another request could already hold them."""
+    original = geometry._WindowRules.blocks_to_save
+
+    def blocks_to_save(self: Any, geo: Any, g: int, table: Any, chunk: int,
+                       computed_tokens: int, computed_before: int | None = None) -> Any:
+        return original(self, geo, g, table, chunk, computed_tokens, None)
+
+    return _patched(geometry._WindowRules, "blocks_to_save", blocks_to_save)
+
+
+def revert_cross_group_fence() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, a save was fenced only when its blocks came back in its own group;
+    vLLM's one block pool hands a released window or state block to any group."""
+    original = OffloadScheduler.build_step
+
+    def build_step(self: OffloadScheduler) -> Any:
+        fence: set[int] = set()
+        for reading, allocated in zip(self._block_jobs, self._step_allocated):
+            for b in allocated.intersection(reading) - {0}:
+                fence.update(reading[b])
+        for req_id in self._step_preempted:
+            st = self.requests.get(req_id)
+            if st is not None:
+                fence.update(st.save_jobs)
+        fence.difference_update(j.job_id for j in self._step_saves)
+        self._step_allocated = [set() for _ in self.geometry.groups]
+        self._step_preempted = set()
+        plan = original(self)
+        plan.fence = sorted(fence)
+        return plan
+
+    return _patched(OffloadScheduler, "build_step", build_step)
+
+
+def revert_reverse_hybrid_hit() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, on vLLM 0.25.1 kvtier handled a hybrid's local hit that ran past the
+    state groups' only, not one that ran past the attention groups' (a state cached after
+    more tokens than the attention blocks; kvtier's own drops of attention entries for
+    another prompt make it common): the forward read attention blocks nobody computed."""
+    return _patched(SchedulerSide, "_attention_missing_at_local_hit",
+                    lambda self, request, local_hit: False)
+
+
 REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "recycled_id": revert_recycled_id,
     "preempt_order": revert_preempt_order,
     "blind_requests": revert_blind_requests,
     "priority_loads": revert_priority_loads,
     "exactly_once": revert_exactly_once,
+    "window_release": revert_window_release,
+    "cross_group_fence": revert_cross_group_fence,
+    "reverse_hybrid_hit": revert_reverse_hybrid_hit,
 }
 
-__all__ = ["PLANTED", "REVERTS", "Bug", "RequestState", "revert_blind_requests",
+__all__ = ["MULTI_GROUP_PLANTED", "PLANTED", "REVERTS", "Bug", "RequestState", "revert_blind_requests",
            "revert_exactly_once", "revert_preempt_order", "revert_priority_loads",
            "revert_recycled_id"]

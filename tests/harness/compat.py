@@ -35,7 +35,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -47,9 +53,10 @@ IS_025 = VERSION.startswith("0.25")
 HAS_FAILED_RECVING = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
 MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+STATE_SHAPE = (8,)  # bytes of each of a mamba layer's two state tensors, per block
 
 __all__ = [
-    "HAS_FAILED_RECVING", "IS_025", "LAYERS", "VERSION", "KVConnectorOutput",
+    "HAS_FAILED_RECVING", "IS_025", "LAYERS", "STATE_SHAPE", "VERSION", "KVConnectorOutput",
     "KVConnectorRole", "KVOutputAggregator", "ModelRunnerOutput", "Request", "RequestStatus",
 ]
 
@@ -63,7 +70,9 @@ def model_config() -> ModelConfig:
 
 
 def extra_config(sc: Scenario) -> dict[str, Any]:
+    state = {"state_size": sc.state_size} if sc.state_size else {}
     return {
+        **state,
         "dram_size": sc.dram_size,
         "gpu_staging_size": sc.dram_size,
         "chunk_tokens": sc.chunk_tokens,
@@ -95,7 +104,8 @@ def vllm_config(sc: Scenario, extra: dict[str, Any] | None = None) -> VllmConfig
     cfg = VllmConfig(
         model_config=model_config(),
         scheduler_config=sched,
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True,
+                                 mamba_cache_mode="align" if "mamba" in sc.groups else "none"),
         kv_transfer_config=kv,
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=sc.world_size),
@@ -104,11 +114,29 @@ def vllm_config(sc: Scenario, extra: dict[str, Any] | None = None) -> VllmConfig
     return cfg
 
 
-def kv_cache_config(sc: Scenario) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
+def group_layers(groups: tuple[str, ...]) -> list[list[str]]:
+    """The layer names of each group: group 0 two attention layers, then one layer each."""
+    out = [list(LAYERS)]
+    for i, kind in enumerate(groups[1:], start=2):
+        out.append([f"model.layers.{i}.{'mixer' if kind == 'mamba' else 'self_attn.attn'}"])
+    return out
+
+
+def _spec(kind: str, sc: Scenario) -> Any:
+    if kind == "mamba":
+        return MambaSpec(block_size=BLOCK_SIZE, shapes=(STATE_SHAPE, STATE_SHAPE),
+                         dtypes=(torch.uint8, torch.uint8), mamba_cache_mode="align")
+    if kind == "swa":
+        return SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
+                                 dtype=torch.float32, sliding_window=sc.sliding_window)
+    return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
-    return KVCacheConfig(num_blocks=sc.num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+
+
+def kv_cache_config(sc: Scenario) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=sc.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(layers, _spec(kind, sc))
+        for kind, layers in zip(sc.groups, group_layers(sc.groups))])
 
 
 def make_scheduler(sc: Scenario, cfg: VllmConfig, kvc: KVCacheConfig) -> Scheduler:

@@ -72,3 +72,15 @@ def values(chain: np.ndarray, layer: int, rank: int) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
         return z ^ (z >> np.uint64(31))
+
+
+STATE_TENSORS = 2  # a mamba layer registers two state tensors (conv, ssm), 8 bytes a block each
+
+
+def state_value(chain_value: int, layer: int, tensor: int, rank: int) -> np.int64:
+    """The uint64 (as int64) state tensor ``tensor`` of state layer ``layer`` holds after the
+    tokens whose last chain value is ``chain_value`` (:data:`SEED` for no tokens): distinct
+    from every KV value of any layer, and from another tensor, layer or rank."""
+    v = values(np.asarray([chain_value], dtype=np.uint64),
+               1000 + layer * STATE_TENSORS + tensor, rank)
+    return v.view(np.int64)[0]

@@ -246,6 +246,7 @@ class Driver:
                        saves_failed=st.saves_failed, fences=st.fences, hits=st.hits,
                        lookups=st.lookups)
             out.update({f"declined_{k}": v for k, v in st.declined.items()})
+        out.update(self.oracle.checked)
         out["loads_reported"] = self.oracle.loads_reported
         out["max_parked_steps"] = self.oracle.max_parked_steps
         return +out

@@ -28,13 +28,24 @@ which slots are being written or read) and the reports that reach vLLM. Checks:
     block belongs to the parked request;
 ``wrong_kv_read``
     every position a forward reads holds its own prefix's bytes (HBM prefix-cache hits and
-    restores alike);
+    restores alike), in every attention group (a sliding-window group: the window's);
+``wrong_state_read``
+    every forward of a state group starts from a real block holding the state of exactly the
+    tokens computed before it (vLLM's ``align`` addressing: block ``(n - 1) // block_size``);
+``save_wrong_state`` / ``load_wrong_state``
+    a state object is saved from, and loaded into, the block of exactly its boundary (the
+    state after the chunk's last token, never an interior or null block) holding that state;
+    a load restores the state of its request's boundary, for every state group of the model
+    (all-or-nothing with the KV);
+``load_into_null_block``
+    no load writes vLLM's null block (positions a window or state group does not hold);
 ``not_drained``
     when the workload drains: no request, block, pin, slot, job or report is left anywhere.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +73,7 @@ class ViolationError(AssertionError):
 class Parked:
     since: int
     request: Any
+    boundary: int = 0  # tokens the request holds once its load is done (vLLM's promise)
 
 
 @dataclass
@@ -78,6 +90,9 @@ class Oracle:
     max_parked_steps: int = 0
     loads_reported: int = 0
     loads_failed_reported: int = 0
+    # what the per-kind rules checked: state_saves, state_loads, window_saves, window_loads,
+    # state_reads (forwards that started from a restored or cached state)
+    checked: Counter = field(default_factory=Counter)
     raise_on_violation: bool = True
 
     def __post_init__(self) -> None:
@@ -101,7 +116,7 @@ class Oracle:
         for req_id, req in self.scheduler.requests.items():
             if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req_id not in self.parked
                     and req_id not in released):
-                self.parked[req_id] = Parked(self.step, req)
+                self.parked[req_id] = Parked(self.step, req, req.num_computed_tokens)
                 if getattr(req, "skip_reading_prefix_cache", False):
                     self.violation("load_despite_skip_reading",
                                    f"{req_id} must compute every token (prompt logprobs) but "
@@ -141,8 +156,10 @@ class Oracle:
             if still:
                 self.violation("reported_before_copy", f"rank {rank} reported the load of "
                                f"{req_id} while job {still[0].job.job_id}'s copy had not run")
-            outcomes = tr.load_outcomes[rank].pop(req_id, [])
-            bad = [t for t in outcomes if t.completion is None or not t.completion.ok]
+            last: dict[int, Transfer] = {}  # a re-issued load (RetryingLoads): its last try
+            for t in tr.load_outcomes[rank].pop(req_id, []):
+                last[t.job.job_id] = t
+            bad = [t for t in last.values() if t.completion is None or not t.completion.ok]
             if bad:
                 flagged = req_id in failed if HAS_FAILED_RECVING else bool(
                     invalid & self._blocks_of(req_id))
@@ -174,6 +191,9 @@ class Oracle:
             for s in self.rank_reported:
                 s.discard(req_id)
 
+    def _table(self, req_id: str, group: int) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
+
     def _blocks_of(self, req_id: str) -> set[int]:
         try:
             return set(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
@@ -185,7 +205,7 @@ class Oracle:
         tr = self.transport
         assert tr is not None
         for s in slots:
-            if t.kind == "load":
+            if t.kind in ("load", "verify"):
                 if tr.saves_in_flight.get(s):
                     self.violation("load_before_all_ranks_wrote",
                                    f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}) reads "
@@ -205,36 +225,68 @@ class Oracle:
 
     def on_save_submitted(self, t: Transfer) -> None:
         """A save reads whole, computed blocks of its request, consecutive in vLLM's block
-        table from a chunk boundary, holding that request's prefix (checked on the bytes)."""
+        table from a chunk boundary, holding that request's prefix (checked on the bytes); a
+        state object, the one block of exactly the chunk's end holding the state there."""
         req = self.scheduler.requests.get(t.job.req_id)
         if req is None:
             self.violation("save_wrong_blocks", f"rank {t.rank} save job {t.job.job_id} for "
                            f"{t.job.req_id}, which vLLM no longer knows")
             return
-        table = list(self.scheduler.kv_cache_manager.get_block_ids(t.job.req_id)[0])
         tokens = list(req.all_token_ids)
-        cache = self.runners[t.rank].cache
         for op in t.job.ops:
-            idx = [table.index(b) if b in table else -1 for b in op.block_ids]
-            bpc = len(op.block_ids)
-            first = t.job.chunk * bpc  # the chunk the save claims to store
-            if idx != list(range(first, first + bpc)):
-                self.violation("save_wrong_blocks",
-                               f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) stores "
-                               f"chunk {t.job.chunk} from blocks {op.block_ids}, which are at "
-                               f"positions {idx} of its block table {table}")
+            table = self._table(t.job.req_id, op.group)
+            kind = self.scenario.groups[op.group]
+            if kind == "mamba":
+                self.checked["state_saves"] += 1
+                self._check_state_save(t, op, table, tokens)
+                continue
+            if kind == "swa":
+                self.checked["window_saves"] += 1
+            if not self._check_kv_save(t, op, table, tokens):
                 return
-            end = (idx[-1] + 1) * BLOCK_SIZE
-            chain = np.asarray(content.chain_of(tokens[:end]), dtype=np.uint64)
-            for k, b in zip(idx, op.block_ids):
-                bad = cache.mismatch(np.full(BLOCK_SIZE, b), np.arange(BLOCK_SIZE),
-                                     chain[k * BLOCK_SIZE:(k + 1) * BLOCK_SIZE])
-                if bad >= 0:
-                    self.violation("save_wrong_bytes",
-                                   f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) "
-                                   f"reads block {b} (position {k * BLOCK_SIZE + bad}), which "
-                                   "does not hold its prefix's bytes")
-                    return
+
+    def _check_kv_save(self, t: Transfer, op: Any, table: list[int], tokens: list[int]) -> bool:
+        cache = self.runners[t.rank].cache
+        idx = [table.index(b) if b in table and b != 0 else -1 for b in op.block_ids]
+        bpc = len(op.block_ids)
+        first = t.job.chunk * bpc  # the chunk the save claims to store
+        if idx != list(range(first, first + bpc)):
+            self.violation("save_wrong_blocks",
+                           f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) stores "
+                           f"chunk {t.job.chunk} of group {op.group} from blocks {op.block_ids}, "
+                           f"which are at positions {idx} of its block table {table}")
+            return False
+        end = (idx[-1] + 1) * BLOCK_SIZE
+        chain = np.asarray(content.chain_of(tokens[:end]), dtype=np.uint64)
+        for k, b in zip(idx, op.block_ids):
+            bad = cache.mismatch(np.full(BLOCK_SIZE, b), np.arange(BLOCK_SIZE),
+                                 chain[k * BLOCK_SIZE:(k + 1) * BLOCK_SIZE], op.group)
+            if bad >= 0:
+                self.violation("save_wrong_bytes",
+                               f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) "
+                               f"reads block {b} of group {op.group} (position "
+                               f"{k * BLOCK_SIZE + bad}), which does not hold its prefix's bytes")
+                return False
+        return True
+
+    def _check_state_save(self, t: Transfer, op: Any, table: list[int],
+                          tokens: list[int]) -> None:
+        end = (t.job.chunk + 1) * self.scenario.chunk_tokens  # the chunk's boundary
+        k = end // BLOCK_SIZE - 1
+        where = table[k] if k < len(table) else None
+        if op.block_ids != [where] or where in (None, 0):
+            self.violation("save_wrong_state",
+                           f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) stores the "
+                           f"state of group {op.group} at {end} tokens from blocks "
+                           f"{op.block_ids}; that state is in block {where} (position {k}) of "
+                           f"its table {table}")
+            return
+        chain = content.chain_of(tokens[:end])
+        if not self.runners[t.rank].cache.state_matches(op.group, where, chain[-1]):
+            self.violation("save_wrong_state",
+                           f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id}) stores "
+                           f"block {where} of group {op.group} as the state at {end} tokens, "
+                           "but it holds another state")
 
     def on_save_run(self, t: Transfer) -> None:
         cache = self.runners[t.rank].cache
@@ -251,12 +303,11 @@ class Oracle:
             self.violation("load_into_foreign_block", f"rank {t.rank} load job {t.job.job_id} "
                            f"writes blocks of {t.job.req_id}, which vLLM already freed")
             return
-        table = list(self.scheduler.kv_cache_manager.get_block_ids(t.job.req_id)[0])
         tokens = list(req.all_token_ids)
-        cache = self.runners[t.rank].cache
-        chain = None
         tr = self.transport
         assert tr is not None
+        parked = self.parked.get(t.job.req_id)
+        boundary = parked.boundary if parked is not None and parked.request is req else None
         for op in t.ops_done:
             where = (t.rank, t.mover.slot_class[op.group], op.slot)
             if where not in tr.slot_salt:
@@ -267,37 +318,110 @@ class Oracle:
                                f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}, "
                                f"cache_salt {req.cache_salt!r}) reads slot {where[1:]} written "
                                f"for cache_salt {tr.slot_salt[where]!r}")
-            for b in op.block_ids:
-                if b == SKIP:
-                    continue
-                if b not in table:
-                    self.violation("load_into_foreign_block",
-                                   f"rank {t.rank} load job {t.job.job_id} writes block {b}, "
-                                   f"not in {t.job.req_id}'s table {table}")
-                    return
-                k = table.index(b)
-                end = (k + 1) * BLOCK_SIZE
-                if end > len(tokens):
-                    self.violation("load_wrong_bytes", f"rank {t.rank} load job {t.job.job_id} "
-                                   f"writes block {b} (index {k}) beyond {len(tokens)} tokens")
-                    return
-                if chain is None or len(chain) < end:
-                    chain = np.asarray(content.chain_of(tokens[:max(end, len(tokens))]),
-                                       dtype=np.uint64)
-                offs = np.arange(BLOCK_SIZE)
-                blocks = np.full(BLOCK_SIZE, b)
-                bad = cache.mismatch(blocks, offs, chain[k * BLOCK_SIZE:end])
-                if bad >= 0:
-                    self.violation("load_wrong_bytes",
-                                   f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}, slot "
-                                   f"{op.slot}) wrote bytes into block {b} (position "
-                                   f"{k * BLOCK_SIZE + bad}) that its prefix does not produce")
+            table = self._table(t.job.req_id, op.group)
+            if 0 in op.block_ids:
+                self.violation("load_into_null_block",
+                               f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}) writes "
+                               f"vLLM's null block (group {op.group}, blocks {op.block_ids})")
+                return
+            kind = self.scenario.groups[op.group]
+            if kind == "mamba":
+                self.checked["state_loads"] += 1
+                self._check_state_load(t, op, table, tokens, boundary)
+                continue
+            if kind == "swa":
+                self.checked["window_loads"] += 1
+            if not self._check_kv_load(t, op, table, tokens):
+                return
+        if t.outcome == "ok" and boundary is not None:
+            self._check_states_complete(t, boundary)
+
+    def _check_kv_load(self, t: Transfer, op: Any, table: list[int], tokens: list[int]) -> bool:
+        cache = self.runners[t.rank].cache
+        chain: np.ndarray | None = None
+        for b in op.block_ids:
+            if b == SKIP:
+                continue
+            if b not in table:
+                self.violation("load_into_foreign_block",
+                               f"rank {t.rank} load job {t.job.job_id} writes block {b}, "
+                               f"not in {t.job.req_id}'s table {table} (group {op.group})")
+                return False
+            k = table.index(b)
+            end = (k + 1) * BLOCK_SIZE
+            if end > len(tokens):
+                self.violation("load_wrong_bytes", f"rank {t.rank} load job {t.job.job_id} "
+                               f"writes block {b} (index {k}) beyond {len(tokens)} tokens")
+                return False
+            if chain is None or len(chain) < end:
+                chain = np.asarray(content.chain_of(tokens[:max(end, len(tokens))]),
+                                   dtype=np.uint64)
+            bad = cache.mismatch(np.full(BLOCK_SIZE, b), np.arange(BLOCK_SIZE),
+                                 chain[k * BLOCK_SIZE:end], op.group)
+            if bad >= 0:
+                self.violation("load_wrong_bytes",
+                               f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}, slot "
+                               f"{op.slot}) wrote bytes into block {b} of group {op.group} "
+                               f"(position {k * BLOCK_SIZE + bad}) that its prefix does not "
+                               "produce")
+        return True
+
+    def _check_state_load(self, t: Transfer, op: Any, table: list[int], tokens: list[int],
+                          boundary: int | None) -> None:
+        (b,) = op.block_ids
+        if b not in table:
+            self.violation("load_into_foreign_block",
+                           f"rank {t.rank} load job {t.job.job_id} writes state block {b}, "
+                           f"not in {t.job.req_id}'s table {table} (group {op.group})")
+            return
+        k = table.index(b)
+        end = (k + 1) * BLOCK_SIZE  # the state this block holds in align addressing
+        if boundary is not None and end != boundary:
+            self.violation("load_wrong_state",
+                           f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}) writes the "
+                           f"state of group {op.group} into block {b} (position {k}: the state "
+                           f"at {end} tokens), but vLLM resumes it from {boundary} tokens")
+            return
+        chain = content.chain_of(tokens[:end])
+        if not self.runners[t.rank].cache.state_matches(op.group, b, chain[-1]):
+            self.violation("load_wrong_state",
+                           f"rank {t.rank} load job {t.job.job_id} ({t.job.req_id}, slot "
+                           f"{op.slot}) wrote a state into block {b} of group {op.group} that "
+                           f"is not the state at {end} tokens")
+
+    def _check_states_complete(self, t: Transfer, boundary: int) -> None:
+        """A load restores the KV and the boundary's state together: every state group of
+        the model gets its state, unless the request's own blocks already hold it (an HBM
+        hit at the boundary)."""
+        cache = self.runners[t.rank].cache
+        req_id = t.job.req_id
+        tokens = list(self.scheduler.requests[req_id].all_token_ids)
+        chain = content.chain_of(tokens[:boundary])
+        for g, kind in enumerate(self.scenario.groups):
+            if kind != "mamba" or any(op.group == g for op in t.ops_done):
+                continue
+            table = self._table(req_id, g)
+            k = boundary // BLOCK_SIZE - 1
+            b = table[k] if k < len(table) else 0
+            if b == 0 or not cache.state_matches(g, b, chain[-1]):
+                self.violation("load_wrong_state",
+                               f"rank {t.rank} load job {t.job.job_id} ({req_id}) to "
+                               f"{boundary} tokens restored no state of group {g} (block {b} at "
+                               f"position {k} does not hold it)")
 
     def wrong_read(self, rank: int, req_id: str, idx: int, block: int, nc: int,
-                   tokens: list[int]) -> None:
+                   tokens: list[int], group: int = 0) -> None:
         self.violation("wrong_kv_read",
-                       f"rank {rank}: {req_id} reads position {idx} (block {block}) of its "
-                       f"{nc}-token context and finds bytes its prefix does not produce")
+                       f"rank {rank}: {req_id} reads position {idx} (block {block}, group "
+                       f"{group}) of its {nc}-token context and finds bytes its prefix does "
+                       "not produce")
+
+    def wrong_state(self, rank: int, req_id: str, group: int, nc: int, pos: int,
+                    block: int) -> None:
+        what = "the null block" if block == 0 else f"block {block}, which holds another state"
+        self.violation("wrong_state_read",
+                       f"rank {rank}: {req_id} continues from {nc} tokens in state group "
+                       f"{group} and finds {what} at position {pos} of its table")
 
     # -- the end -----------------------------------------------------------------------------
     def check_drained(self, connector: Any, aggregator: Any) -> None:

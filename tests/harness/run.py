@@ -23,17 +23,23 @@ from .bugs import PLANTED, REVERTS, Bug
 from .cases import CASES
 from .compat import VERSION
 from .driver import Result, run_scenario
-from .workload import Scenario, make_scenario
+from .workload import GROUP_SETS, MULTI_GROUP_SETS, Scenario, make_scenario
 
 COMBOS = ((False, 1), (True, 1), (False, 2), (True, 2))
 
 
 def scenarios(n: int, seed: int = 0, fault_kinds: set[str] | None = None,
-              world_size: int | None = None) -> Iterator[Scenario]:
+              world_size: int | None = None, group_sets: tuple[str, ...] = ("full",)
+              ) -> Iterator[Scenario]:
+    """``n`` scenarios, round-robin over the combos and then over ``group_sets`` (names of
+    :data:`~.workload.GROUP_SETS`)."""
     combos = [c for c in COMBOS if world_size is None or c[1] == world_size]
     for i in range(n):
         async_sched, ws = combos[i % len(combos)]
-        yield make_scenario(seed + i // len(combos), async_sched, ws, fault_kinds)
+        rest = i // len(combos)
+        groups = GROUP_SETS[group_sets[rest % len(group_sets)]]
+        yield make_scenario(seed + rest // len(group_sets), async_sched, ws, fault_kinds,
+                            groups)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Batch:
     faults: Counter = field(default_factory=Counter)
     counts: Counter = field(default_factory=Counter)
     combos: Counter = field(default_factory=Counter)
+    group_sets: Counter = field(default_factory=Counter)
     violations: list[dict[str, Any]] = field(default_factory=list)
     too_short: list[str] = field(default_factory=list)  # scenarios below the CI minimums
 
@@ -58,10 +65,12 @@ class Batch:
                                               r.counts.get("max_parked_steps", 0))
         sc = r.scenario
         self.combos[f"{'async' if sc.async_scheduling else 'sync'}-ws{sc.world_size}"] += 1
+        self.group_sets[sc.group_set] += 1
         if r.violation is not None:
             self.violations.append({"kind": r.violation.kind, "detail": r.violation.detail,
                                     "scenario": sc.describe(), "seed": sc.seed,
-                                    "async": sc.async_scheduling, "ws": sc.world_size})
+                                    "async": sc.async_scheduling, "ws": sc.world_size,
+                                    "groups": sc.group_set})
         elif r.steps < sc.min_steps or len(sc.requests) < 8 or sum(r.faults.values()) < 1:
             self.too_short.append(f"{sc.describe()} steps={r.steps} faults={dict(r.faults)}")
 
@@ -69,6 +78,7 @@ class Batch:
         return {"version": self.version, "scenarios": self.scenarios, "steps": self.steps,
                 "seconds": round(self.seconds, 2), "faults": dict(self.faults),
                 "counts": dict(self.counts), "combos": dict(self.combos),
+                "group_sets": dict(self.group_sets),
                 "violations": self.violations, "too_short": self.too_short}
 
 
@@ -139,11 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", choices=sorted(CASES),
                     help="run a regression family (seeds 0-3, every combo); with --revert, "
                     "also with that fix reverted")
-    ap.add_argument("--revert", choices=sorted(REVERTS))
+    ap.add_argument("--revert", choices=sorted(REVERTS),
+                    help="with --case: also run it with that fix reverted; else the batch "
+                    "runs with it reverted")
     ap.add_argument("--planted", action="store_true",
                     help="run each planted bug until the oracle catches it (JSON with --json)")
+    ap.add_argument("--groups", default="full",
+                    help="KV-cache group sets, comma-separated (" + ", ".join(GROUP_SETS)
+                    + "), or 'multi' for " + ",".join(MULTI_GROUP_SETS))
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    group_sets = MULTI_GROUP_SETS if args.groups == "multi" else tuple(args.groups.split(","))
+    unknown = [g for g in group_sets if g not in GROUP_SETS]
+    if unknown:
+        ap.error(f"unknown group sets {unknown}")
     if args.case:
         out = {"version": VERSION, "fixed": run_case(args.case)}
         if args.revert:
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     bug = PLANTED[args.bug] if args.bug else None
     if args.one:
         seed, async_sched, ws = (int(x) for x in args.one.split(","))
-        sc = make_scenario(seed, bool(async_sched), ws)
+        sc = make_scenario(seed, bool(async_sched), ws, groups=GROUP_SETS[group_sets[0]])
         print(sc.describe())
         for r in sc.requests:
             print(f"  {r.key} id={r.req_id} prompt={len(r.prompt)} max_tokens={r.max_tokens} "
@@ -172,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             res = run_scenario(sc, trace=trace)
         print(res.summary())
         return 0 if res.ok else 1
-    batch = run_batch(scenarios(args.scenarios, args.seed), bug)
+    with REVERTS[args.revert]() if args.revert else contextlib.nullcontext():
+        batch = run_batch(scenarios(args.scenarios, args.seed, group_sets=group_sets), bug)
     summary = batch.to_json()
     if args.json == "-":
         json.dump(summary, sys.stdout)

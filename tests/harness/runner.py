@@ -31,12 +31,22 @@ from unittest import mock
 import numpy as np
 import torch
 
+from kvtier.load_retry import RetryingLoads
 from kvtier.slab import HostSlab
+from kvtier.transfer import TransferEngine
 from kvtier.vllm import worker_side
 from kvtier.vllm.connector import KvtierConnector
 
 from . import content
-from .compat import IS_025, LAYERS, KVConnectorRole, ModelRunnerOutput, kv_output, runner_output
+from .compat import (
+    IS_025,
+    STATE_SHAPE,
+    KVConnectorRole,
+    ModelRunnerOutput,
+    group_layers,
+    kv_output,
+    runner_output,
+)
 from .transport import HarnessEngine, Transport
 from .workload import BLOCK_SIZE
 
@@ -44,15 +54,41 @@ if TYPE_CHECKING:
     from .oracle import Oracle
 
 
-class FakeCache:
-    """Per-layer uint8 tensors (num_blocks, block_size, POS_BYTES) and a write tag per block."""
+NULL_BLOCK = 0  # vLLM's placeholder block (positions a group does not hold)
 
-    def __init__(self, num_blocks: int, rank: int) -> None:
+
+class FakeCache:
+    """The KV cache of every group, over one pool of block ids (vLLM's): per attention layer a
+    uint8 tensor (num_blocks, block_size, POS_BYTES), per mamba layer two uint8 tensors
+    (num_blocks, 8) of state; and a write tag per block.
+
+    Layers are numbered in engine order (group 0's two, then one per further group); a KV
+    position holds :func:`content.values` of its prefix for its layer, a state tensor
+    :func:`content.state_value` of the tokens its state has seen."""
+
+    def __init__(self, num_blocks: int, rank: int, groups: tuple[str, ...] = ("full",)) -> None:
         self.rank = rank
-        self.tensors = {name: torch.zeros(num_blocks, BLOCK_SIZE, content.POS_BYTES,
-                                          dtype=torch.uint8) for name in LAYERS}
-        self.words = [t.view(torch.int64).numpy().reshape(num_blocks, BLOCK_SIZE)
-                      for t in self.tensors.values()]
+        self.kinds = groups
+        self.tensors: dict[str, Any] = {}
+        # per group: (layer number, int64 view) of every KV layer, or of every state tensor
+        self.views: list[list[tuple[int, np.ndarray]]] = []
+        layer = 0
+        for kind, names in zip(groups, group_layers(groups)):
+            views = []
+            for name in names:
+                if kind == "mamba":
+                    ts = [torch.zeros(num_blocks, *STATE_SHAPE, dtype=torch.uint8)
+                          for _ in range(content.STATE_TENSORS)]
+                    self.tensors[name] = ts
+                    views += [(layer, t.view(torch.int64).numpy().reshape(num_blocks))
+                              for t in ts]
+                else:
+                    t = torch.zeros(num_blocks, BLOCK_SIZE, content.POS_BYTES, dtype=torch.uint8)
+                    self.tensors[name] = t
+                    views.append((layer, t.view(torch.int64).numpy().reshape(num_blocks,
+                                                                             BLOCK_SIZE)))
+                layer += 1
+            self.views.append(views)
         self.tags = np.zeros(num_blocks, dtype=np.int64)
         self._gen = 0
 
@@ -64,18 +100,34 @@ class FakeCache:
             self._gen += 1
             self.tags[blocks] = self._gen
 
-    def write(self, blocks: np.ndarray, offs: np.ndarray, chain: np.ndarray) -> None:
-        for layer, w in enumerate(self.words):
+    def write(self, blocks: np.ndarray, offs: np.ndarray, chain: np.ndarray,
+              group: int = 0) -> None:
+        for layer, w in self.views[group]:
             w[blocks, offs] = content.values(chain, layer, self.rank).view(np.int64)
         self.touch(sorted(set(blocks.tolist())))
 
-    def mismatch(self, blocks: np.ndarray, offs: np.ndarray, chain: np.ndarray) -> int:
-        """Index of the first position whose bytes differ in any layer, or -1."""
+    def mismatch(self, blocks: np.ndarray, offs: np.ndarray, chain: np.ndarray,
+                 group: int = 0) -> int:
+        """Index of the first position whose bytes differ in any layer of ``group``, or -1."""
         bad = np.zeros(len(chain), dtype=bool)
-        for layer, w in enumerate(self.words):
+        for layer, w in self.views[group]:
             bad |= w[blocks, offs] != content.values(chain, layer, self.rank).view(np.int64)
         idx = np.flatnonzero(bad)
         return int(idx[0]) if len(idx) else -1
+
+    def _state_values(self, group: int, chain_value: int) -> list[np.int64]:
+        return [content.state_value(chain_value, layer, i % content.STATE_TENSORS, self.rank)
+                for i, (layer, _) in enumerate(self.views[group])]
+
+    def write_state(self, group: int, block: int, chain_value: int) -> None:
+        """State group ``group``'s state after the tokens ending in ``chain_value``."""
+        for (_, w), v in zip(self.views[group], self._state_values(group, chain_value)):
+            w[block] = v
+        self.touch([block])
+
+    def state_matches(self, group: int, block: int, chain_value: int) -> bool:
+        return all(w[block] == v for (_, w), v in
+                   zip(self.views[group], self._state_values(group, chain_value)))
 
 
 @dataclass
@@ -83,7 +135,7 @@ class ReqState:
     req_id: str
     tokens: list[int]
     num_prompt: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group
     num_computed: int
     chain: list[int] = field(default_factory=list)
 
@@ -105,7 +157,9 @@ class FakeRunner:
         self.rank = rank
         self.oracle = oracle
         self.transport = transport
-        self.cache = FakeCache(kv_cache_config.num_blocks, rank)
+        self.kinds: tuple[str, ...] = oracle.scenario.groups
+        self.window = oracle.scenario.sliding_window
+        self.cache = FakeCache(kv_cache_config.num_blocks, rank, self.kinds)
         transport.caches[rank] = self.cache
         self.connector = KvtierConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         old = os.environ.get("RANK")
@@ -128,7 +182,11 @@ class FakeRunner:
             worker.slab = worker.mover.slab = slab_of_rank0
         self.worker = worker
         original = worker.engine
-        worker.engine = HarnessEngine(transport, rank, worker.mover)
+        engine: TransferEngine = HarnessEngine(transport, rank, worker.mover)
+        if isinstance(original, RetryingLoads):  # vLLM 0.25.1, several groups: kvtier's own
+            engine = RetryingLoads(engine, original.retries)  # re-issue stays in the path
+            transport.failable_load_attempts = 1
+        worker.engine = engine
         original.close()
         self.requests: dict[str, ReqState] = {}
         self.scheduler: Any = None  # set by the driver: checks the mirrored block tables
@@ -142,7 +200,7 @@ class FakeRunner:
             tokens = getattr(nr, "prefill_token_ids", None) or nr.prompt_token_ids
             self.requests[nr.req_id] = ReqState(
                 nr.req_id, list(tokens), len(nr.prompt_token_ids),
-                list(nr.block_ids[0]), nr.num_computed_tokens)
+                [list(ids) for ids in nr.block_ids], nr.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -160,9 +218,10 @@ class FakeRunner:
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
                 assert new_ids is not None
-                st.block_ids = list(new_ids[0])
+                st.block_ids = [list(ids) for ids in new_ids]
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                for table, ids in zip(st.block_ids, new_ids):
+                    table.extend(ids)
 
     # -- the step ----------------------------------------------------------------------------
     def execute(self, so: Any) -> ModelRunnerOutput:
@@ -211,14 +270,11 @@ class FakeRunner:
             if self.scheduler is not None:
                 self._check_table(req_id, st)
             chain = st.chain_array(end)
-            if nc > 0:
-                blocks, offs = positions(st.block_ids, 0, nc)
-                bad = self.cache.mismatch(blocks, offs, chain[:nc])
-                if bad >= 0:
-                    self.oracle.wrong_read(self.rank, req_id, bad, int(blocks[bad]), nc,
-                                           st.tokens[:nc])
-            blocks, offs = positions(st.block_ids, nc, end)
-            self.cache.write(blocks, offs, chain[nc:end])
+            for g, kind in enumerate(self.kinds):
+                if kind == "mamba":
+                    self._forward_state(req_id, st, g, nc, end, chain)
+                else:
+                    self._forward_kv(req_id, st, g, nc, end, chain)
             st.num_computed = end
             req_ids.append(req_id)
             if end >= len(st.tokens):
@@ -229,14 +285,59 @@ class FakeRunner:
                 sampled.append([])
         return req_ids, sampled
 
+    def _forward_kv(self, req_id: str, st: ReqState, g: int, nc: int, end: int,
+                    chain: np.ndarray) -> None:
+        """Attention: read what the step's queries attend to (every earlier position; in a
+        sliding window only the window before the first query), then write the new ones."""
+        first = max(0, nc - self.window + 1) if self.kinds[g] == "swa" else 0
+        table = st.block_ids[g]
+        if nc > first:
+            blocks, offs = positions(table, first, nc)
+            bad = self.cache.mismatch(blocks, offs, chain[first:nc], g)
+            if bad >= 0:
+                self.oracle.wrong_read(self.rank, req_id, first + bad, int(blocks[bad]), nc,
+                                       st.tokens[:nc], g)
+        blocks, offs = positions(table, nc, end)
+        if (blocks == NULL_BLOCK).any():
+            self.oracle.violation("harness", f"rank {self.rank}: {req_id} writes positions "
+                                  f"[{nc}, {end}) of group {g} into the null block: {table}")
+        self.cache.write(blocks, offs, chain[nc:end], g)
+
+    def _forward_state(self, req_id: str, st: ReqState, g: int, nc: int, end: int,
+                       chain: np.ndarray) -> None:
+        """A recurrent layer in vLLM's ``align`` mode: the step starts from the state after
+        ``nc`` tokens, which must be in block ``(nc - 1) // block_size`` of the group's
+        table (null or wrong bytes: ``wrong_state_read``), and leaves the state after ``end``
+        tokens in block ``(end - 1) // block_size``."""
+        table = st.block_ids[g]
+        if nc > 0:
+            self.oracle.checked["state_reads"] += 1
+            k = (nc - 1) // BLOCK_SIZE
+            block = table[k] if k < len(table) else NULL_BLOCK
+            if block == NULL_BLOCK or not self.cache.state_matches(g, block, int(chain[nc - 1])):
+                self.oracle.wrong_state(self.rank, req_id, g, nc, k, block)
+        k = (end - 1) // BLOCK_SIZE
+        block = table[k] if k < len(table) else NULL_BLOCK
+        if block == NULL_BLOCK:
+            self.oracle.violation("harness", f"rank {self.rank}: {req_id} has no state block "
+                                  f"at position {k} of group {g} to write: {table}")
+            return
+        self.cache.write_state(g, block, int(chain[end - 1]))
+
     def _check_table(self, req_id: str, st: ReqState) -> None:
         """The runner's mirror of the request's block table (built from the scheduler output,
         as a model runner builds it) is a prefix of the scheduler's own. An error reading the
         scheduler's table is the harness's to fix: it propagates (a ``crash`` finding)."""
-        real = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-        if real[: len(st.block_ids)] != st.block_ids:
-            self.oracle.violation("harness", f"rank {self.rank}: mirrored block table of {req_id} "
-                                  f"{st.block_ids} != scheduler's {real}")
+        tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        for g, (kind, mirror) in enumerate(zip(self.kinds, st.block_ids)):
+            real = list(tables[g])
+            # a sliding-window or state group's released positions read null there (vLLM's
+            # remove_skipped_blocks); a worker is never told, and never reads them
+            same = len(real) >= len(mirror) and all(
+                m == r or (kind != "full" and r == NULL_BLOCK) for m, r in zip(mirror, real))
+            if not same:
+                self.oracle.violation("harness", f"rank {self.rank}: mirrored block table of "
+                                      f"{req_id} group {g} {mirror} != scheduler's {real}")
 
     def close(self) -> None:
         self.connector.shutdown()

@@ -13,12 +13,25 @@ Faults: see :class:`FaultPlan`.
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 
 from .content import FIRST_TOKEN, VOCAB, generate
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
+
+GROUP_SETS: dict[str, tuple[str, ...]] = {
+    "full": ("full",),
+    "full+swa": ("full", "swa"),  # sliding window + full attention (Gemma-like)
+    "full+mamba": ("full", "mamba"),  # recurrent state + attention (Qwen3-Next-like)
+    "full+mamba+mamba": ("full", "mamba", "mamba"),  # several state groups
+}
+"""The KV-cache group sets a scenario can have: group 0 is always full attention (two layers,
+:data:`~.compat.LAYERS`); every further group has one layer of its kind. ``mamba`` groups run
+vLLM's ``align`` state addressing (the state after ``n`` tokens in block ``(n - 1) // 16``)."""
+
+MULTI_GROUP_SETS = ("full+swa", "full+mamba", "full+mamba+mamba")
 
 
 @dataclass
@@ -98,9 +111,19 @@ class Scenario:
     min_steps: int = 50
     max_steps: int = 600
     tags: list[str] = field(default_factory=list)  # engine-level fault kinds switched on
+    groups: tuple[str, ...] = ("full",)  # a value of GROUP_SETS
+    sliding_window: int = 0  # tokens, for "swa" groups
+    state_size: str | None = None  # kvtier's state_size (None: its default)
+
+    @property
+    def group_set(self) -> str:
+        return "+".join(self.groups)
 
     def describe(self) -> str:
-        return (f"seed={self.seed} async={self.async_scheduling} ws={self.world_size} "
+        groups = "" if self.groups == ("full",) else (
+            f"groups={self.group_set}"
+            + (f"(w={self.sliding_window})" if self.sliding_window else "") + " ")
+        return (f"{groups}seed={self.seed} async={self.async_scheduling} ws={self.world_size} "
                 f"blocks={self.num_blocks} seqs={self.max_num_seqs} "
                 f"batched={self.max_num_batched_tokens} chunk={self.chunk_tokens} "
                 f"dram={self.dram_size} save_q={self.max_pending_saves} "
@@ -149,9 +172,13 @@ def make_scenario(
     async_scheduling: bool,
     world_size: int,
     fault_kinds: set[str] | None = None,
+    groups: tuple[str, ...] = ("full",),
 ) -> Scenario:
-    """A random scenario; ``fault_kinds`` (subset of :data:`ALL_FAULTS`) forces those on."""
-    rng = random.Random(seed * 1_000_003 + 7919 * world_size + int(async_scheduling))
+    """A random scenario; ``fault_kinds`` (subset of :data:`ALL_FAULTS`) forces those on;
+    ``groups`` (a value of :data:`GROUP_SETS`) its KV-cache groups. One full group draws the
+    scenarios it always drew (the seeds of earlier findings still replay)."""
+    mix = 0 if groups == ("full",) else zlib.crc32("+".join(groups).encode())
+    rng = random.Random(seed * 1_000_003 + 7919 * world_size + int(async_scheduling) + mix)
     if fault_kinds is None:
         pool = [k for k in ALL_FAULTS if world_size > 1 or k not in ("late_rank",
                                                                       "lone_fail_rank")]
@@ -172,10 +199,22 @@ def make_scenario(
     else:
         slots = rng.choice((24, 64, 256))
     dram = slots * slot_stride * shards
+    kv_extra = sum(1 for g in groups if g != "mamba") - 1  # one layer each: half a chunk
+    dram += kv_extra * slots * (-(-(chunk_bytes // 2) // 4096) * 4096) * shards
+    n_state = groups.count("mamba")
+    state_size = None
+    if n_state:  # a 4 KiB slot per state object; the slab's state class gets its own share
+        state_bytes = max(2, n_state * slots * 2 // 3) * 4096 * shards + 4096 * shards
+        dram += state_bytes
+        state_size = f"{state_bytes}B"
     dram_size = f"{dram}B"
     max_pending_saves = rng.randint(1, 3) if "save_queue_full" in fault_kinds else 256
     tags = sorted(k for k in fault_kinds if k in ("save_queue_full", "slab_full"))
     max_len_tokens = min(MAX_MODEL_LEN - 32, (num_blocks // 2) * BLOCK_SIZE)
+    # every group draws from vLLM's one block pool: a full or sliding-window group needs a
+    # table as long as group 0's, a state group (align) two blocks per running request
+    num_blocks = (num_blocks * sum(1 for g in groups if g != "mamba")
+                  + n_state * 2 * (max_num_seqs + 1))
 
     requests: list[ReqSpec] = []
     prefixes = [_tokens(rng, rng.choice((chunk_tokens, 2 * chunk_tokens, 3 * chunk_tokens,
@@ -236,6 +275,9 @@ def make_scenario(
         resets.append((rng.randint(4, 60), rng.random() < 0.6, rng.random() < 0.15))
     v2_runner = rng.random() < 0.25
     max_pending_loads = rng.choice((1, 2)) if rng.random() < 0.15 else 1024
+    window = 0
+    if "swa" in groups:  # shorter and longer than a chunk, not always a multiple of it
+        window = rng.choice((16, 32, 48, 64, 96))
     return Scenario(
         seed=seed, async_scheduling=async_scheduling, world_size=world_size, v2_runner=v2_runner,
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
@@ -244,5 +286,6 @@ def make_scenario(
         admission=rng.choice(("always", "always", "always", "second_sight")),
         sched_policy=rng.choice(("fcfs", "fcfs", "priority")),
         requests=requests, resets=sorted(resets), faults=faults, tags=tags,
-        max_pending_loads=max_pending_loads,
+        max_pending_loads=max_pending_loads, groups=tuple(groups), sliding_window=window,
+        state_size=state_size,
     )

@@ -9,7 +9,14 @@ group's table (``v1/worker/mamba_utils.py`` ``preprocess_mamba``), which is vLLM
 or a fresh one: silently wrong output, whatever the connector answers unless its load brings
 a state.
 
-What kvtier does (:func:`state_boundary_in_hbm`, :func:`forget_hits_beyond`):
+The reverse holds too: a state group may hold the state after ``L`` tokens while an
+attention group's cached blocks stop at ``A < L`` (another prompt's entries were evicted, or
+dropped by kvtier as below); vLLM then takes ``L`` as computed for every group and the forward
+reads attention blocks ``[A, L)`` that nobody computed, and a kvtier load (which starts at
+``L``) does not bring them either.
+
+What kvtier does (:func:`attention_hit_in_hbm`, :func:`state_boundary_in_hbm`,
+:func:`forget_hits_beyond`, :func:`forget_states_beyond`):
 
 - its hit goes past ``L`` to a chunk boundary whose state it stores: the load brings that
   state with the attention chunks (all or nothing per boundary): nothing else to do;
@@ -19,6 +26,10 @@ What kvtier does (:func:`state_boundary_in_hbm`, :func:`forget_hits_beyond`):
   with their requests, only their cache entries go) and defers the request (``None``); at
   the next step vLLM's hit is ``S`` for every group, where a state exists, and kvtier's hit
   (if any) starts from there. The cost is HBM prefix-cache entries that no state matches.
+- where the attention groups' own hit ``A`` is below ``L``, ``S`` is looked for at most at
+  ``A``, and the state groups' entries after ``S`` up to ``L`` are dropped as well, before any
+  hit kvtier could offer (its load would start at ``L``): the request is deferred and vLLM's
+  next hit is ``S`` for every group.
 """
 
 from __future__ import annotations
@@ -62,6 +73,41 @@ def state_boundary_in_hbm(pool: Any, block_hashes: Sequence[Any], groups: Engine
             return tokens
         tokens -= step
     return 0
+
+
+def attention_hit_in_hbm(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups,
+                         local_hit: int) -> int:
+    """The longest prefix of at most ``local_hit`` tokens whose blocks every full-attention
+    group has cached in ``pool``, from the first (``local_hit`` where there is none)."""
+    hbs = int(pool.hash_block_size)
+    hit = local_hit
+    for engine_id, bs in _groups_of(groups, state=False):
+        if groups.specs[groups.engine_ids.index(engine_id)].kind is not GroupKind.FULL:
+            continue  # a window group's hit is its window's, not a prefix
+        n = 0
+        while (n + 1) * bs <= hit and pool.get_cached_block(
+                _hash_at(block_hashes, hbs, (n + 1) * bs), [engine_id]):
+            n += 1
+        hit = min(hit, n * bs)
+    return hit
+
+
+def forget_states_beyond(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups,
+                         start: int, end: int) -> int:
+    """Drop the prefix-cache entries of the state groups' states of this prompt after more
+    than ``start`` and at most ``end`` tokens; returns how many were dropped."""
+    hbs = int(pool.hash_block_size)
+    dropped = 0
+    for engine_id, bs in _groups_of(groups, state=True):
+        for j in range(start // bs, end // bs):  # block j: the state after (j + 1) * bs
+            h = _hash_at(block_hashes, hbs, (j + 1) * bs)
+            for _ in range(MAX_DUPLICATES):
+                cached = pool.get_cached_block(h, [engine_id])
+                if not cached:
+                    break
+                pool.evict_blocks({cached[0].block_id})
+                dropped += 1
+    return dropped
 
 
 def forget_hits_beyond(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups,

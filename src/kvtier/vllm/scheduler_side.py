@@ -30,7 +30,12 @@ from kvtier.vllm import compat, startup
 from kvtier.vllm.counters import scheduler_counts
 from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
 from kvtier.vllm.groups import EngineGroups
-from kvtier.vllm.hybrid_hits import forget_hits_beyond, state_boundary_in_hbm
+from kvtier.vllm.hybrid_hits import (
+    attention_hit_in_hbm,
+    forget_hits_beyond,
+    forget_states_beyond,
+    state_boundary_in_hbm,
+)
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import stats_payload
@@ -86,10 +91,32 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        if self._attention_missing_at_local_hit(request, num_computed_tokens):
+            return None, False  # asked again next step, at a hit every group holds
         n, load = self._matched_tokens(request, num_computed_tokens)
         if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a local hit with its state
         return n, load
+
+    def _attention_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
+        """Whether vLLM's local hit runs past the attention groups' own (a state group's hit
+        is longer): then the state entries past the last boundary every group holds, and the
+        attention entries past it, are dropped (:mod:`kvtier.vllm.hybrid_hits`)."""
+        pool, groups = self._block_pool, self.setup.groups
+        if pool is None or groups is None or local_hit <= 0:
+            return False
+        hashes = request.block_hashes
+        attention_hit = attention_hit_in_hbm(pool, hashes, groups, local_hit)
+        if attention_hit >= local_hit:
+            return False
+        common = state_boundary_in_hbm(pool, hashes, groups, attention_hit)
+        dropped = (forget_states_beyond(pool, hashes, groups, common, local_hit)
+                   + forget_hits_beyond(pool, hashes, groups, common, local_hit))
+        self.hits_forgotten += dropped
+        logger.debug("kvtier: request %s: local hit %d, but the attention groups hold only "
+                     "%d; %d prefix-cache entries past %d dropped", request.request_id,
+                     local_hit, attention_hit, dropped, common)
+        return dropped > 0
 
     def _state_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
         """Whether vLLM's local hit runs past the state groups' own (kvtier's answer loads
@@ -179,7 +206,7 @@ class SchedulerSide:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 prefill += n_sched
             scheduled.append(ScheduledTokens(req_id, req.all_token_ids, computed_after,
-                                             req.num_prompt_tokens))
+                                             req.num_prompt_tokens, req.num_computed_tokens))
         self._prefill_tokens = prefill
         return scheduled
 
