@@ -96,27 +96,24 @@ def forget_states_beyond(pool: Any, block_hashes: Sequence[Any], groups: EngineG
                          start: int, end: int) -> int:
     """Drop the prefix-cache entries of the state groups' states of this prompt after more
     than ``start`` and at most ``end`` tokens; returns how many were dropped."""
-    hbs = int(pool.hash_block_size)
-    dropped = 0
-    for engine_id, bs in _groups_of(groups, state=True):
-        for j in range(start // bs, end // bs):  # block j: the state after (j + 1) * bs
-            h = _hash_at(block_hashes, hbs, (j + 1) * bs)
-            for _ in range(MAX_DUPLICATES):
-                cached = pool.get_cached_block(h, [engine_id])
-                if not cached:
-                    break
-                pool.evict_blocks({cached[0].block_id})
-                dropped += 1
-    return dropped
+    return _forget(pool, block_hashes, groups, start, end, state=True)
 
 
 def forget_hits_beyond(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups,
                        start: int, end: int) -> int:
     """Drop the prefix-cache entries of the attention groups' blocks of this prompt covering
     tokens ``[start, end)``; returns how many were dropped."""
+    return _forget(pool, block_hashes, groups, start, end, state=False)
+
+
+def _forget(pool: Any, block_hashes: Sequence[Any], groups: EngineGroups, start: int, end: int,
+            state: bool) -> int:
+    """Evict the cached blocks ``start // bs .. end // bs - 1`` of the state (or attention)
+    groups; block ``j`` ends at token ``(j + 1) * bs`` (for a state group: the state after
+    it)."""
     hbs = int(pool.hash_block_size)
     dropped = 0
-    for engine_id, bs in _groups_of(groups, state=False):
+    for engine_id, bs in _groups_of(groups, state=state):
         for j in range(start // bs, end // bs):
             h = _hash_at(block_hashes, hbs, (j + 1) * bs)
             for _ in range(MAX_DUPLICATES):
