@@ -23,24 +23,18 @@ Long runs: ``KVTIER_SOAK=1 python -m pytest -m soak tests/test_harness_multigrou
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _harness_runs import finish_025, report, start_025
 from harness.bugs import MULTI_GROUP_PLANTED, REVERTS
 from harness.driver import run_scenario
 from harness.run import COMBOS, run_batch, scenarios
 from harness.workload import GROUP_SETS, MULTI_GROUP_SETS, make_scenario
-
-ROOT = Path(__file__).resolve().parent.parent
-VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
-REPORT = ROOT / ".cache" / "harness-report.json"
 
 N_032 = 360  # 30 per (group set, combo)
 N_025 = 240
@@ -49,40 +43,12 @@ SOAK_N = int(os.environ.get("HARNESS_SOAK_SCENARIOS", "20000"))
 SOAK_SEED = int(os.environ.get("HARNESS_SOAK_SEED", "100000"))
 
 
-def _start_025(n: int, seed: int, *extra: str) -> subprocess.Popen[str] | None:
-    if not (VLLM025 / "vllm" / "__init__.py").exists():
-        return None
-    # this checkout's kvtier first, not the one the venv's editable install points at
-    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src", ROOT / "tests")))
-    env = dict(os.environ, PYTHONPATH=path, VLLM_LOGGING_LEVEL="ERROR")
-    return subprocess.Popen(
-        [sys.executable, "-m", "harness.run", "--groups", "multi", "--scenarios", str(n),
-         "--seed", str(seed), "--json", "-", *extra],
-        cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish_025(proc: subprocess.Popen[str] | None, timeout: float) -> dict[str, Any]:
-    if proc is None:
-        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    out, err = proc.communicate(timeout=timeout)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert lines, f"the 0.25.1 run printed no summary (rc {proc.returncode}):\n{err[-4000:]}"
-    return json.loads(lines[-1])
-
-
 @pytest.fixture(scope="module")
 def run_025() -> Iterator[subprocess.Popen[str] | None]:
-    proc = _start_025(N_025, 0)
+    proc = start_025(N_025, 0, "--groups", "multi")
     yield proc
     if proc is not None and proc.poll() is None:
         proc.kill()
-
-
-def _report(name: str, summary: dict[str, Any]) -> None:
-    REPORT.parent.mkdir(exist_ok=True)
-    data = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-    data[name] = summary
-    REPORT.write_text(json.dumps(data, indent=1))
 
 
 def _check(summary: dict[str, Any], n: int) -> None:
@@ -120,15 +86,15 @@ def _check_activity(summary: dict[str, Any], n: int) -> None:
 
 def test_multigroup_run_vllm032(run_025: subprocess.Popen[str] | None) -> None:
     summary = run_batch(scenarios(N_032, 0, group_sets=MULTI_GROUP_SETS)).to_json()
-    _report("multigroup_vllm032", summary)
+    report("multigroup_vllm032", summary)
     _check(summary, N_032)
 
 
 @pytest.mark.vllm025
 def test_multigroup_run_vllm025(run_025: subprocess.Popen[str] | None) -> None:
-    summary = _finish_025(run_025, timeout=900)
+    summary = finish_025(run_025, timeout=900)
     assert summary["version"].startswith("0.25")
-    _report("multigroup_vllm025", summary)
+    report("multigroup_vllm025", summary)
     _check(summary, N_025)
     # kvtier's 0.25.1 path for several groups ran: failed copies re-issued, hits verified
     counts = summary["counts"]
@@ -177,10 +143,10 @@ def test_reverse_hybrid_hit_on_vllm025_stays_caught() -> None:
     attention entries for another prompt, kvtier.vllm.hybrid_hits, made it common) gave a
     local hit past the attention blocks, and the forward read blocks nobody computed. With
     the fix reverted the oracle finds it again."""
-    proc = _start_025(120, 0, "--revert", "reverse_hybrid_hit")
+    proc = start_025(120, 0, "--groups", "multi", "--revert", "reverse_hybrid_hit")
     if proc is None:
         pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    summary = _finish_025(proc, timeout=600)
+    summary = finish_025(proc, timeout=600)
     kinds = {v["kind"] for v in summary["violations"]}
     assert "wrong_kv_read" in kinds, f"the reverted fix went unnoticed: {kinds}"
 
@@ -188,11 +154,11 @@ def test_reverse_hybrid_hit_on_vllm025_stays_caught() -> None:
 @pytest.mark.soak
 @pytest.mark.skipif(not SOAK, reason="long run: KVTIER_SOAK=1")
 def test_multigroup_soak() -> None:
-    proc = _start_025(SOAK_N, SOAK_SEED)
+    proc = start_025(SOAK_N, SOAK_SEED, "--groups", "multi")
     summary = run_batch(scenarios(SOAK_N, SOAK_SEED, group_sets=MULTI_GROUP_SETS)).to_json()
-    _report("multigroup_soak_vllm032", summary)
+    report("multigroup_soak_vllm032", summary)
     _check(summary, SOAK_N)
     if proc is not None:
-        s025 = _finish_025(proc, timeout=24 * 3600)
-        _report("multigroup_soak_vllm025", s025)
+        s025 = finish_025(proc, timeout=24 * 3600)
+        report("multigroup_soak_vllm025", s025)
         _check(s025, SOAK_N)

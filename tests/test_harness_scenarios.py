@@ -15,21 +15,15 @@ Long runs: ``KVTIER_SOAK=1 python -m pytest -m soak tests/test_harness_scenarios
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _harness_runs import finish_025, report, start_025
 from harness.run import COMBOS, Batch, run_batch, scenarios
-
-ROOT = Path(__file__).resolve().parent.parent
-VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
-REPORT = ROOT / ".cache" / "harness-report.json"
 
 N_032 = 1200
 N_025 = 800
@@ -38,41 +32,12 @@ SOAK_N = int(os.environ.get("HARNESS_SOAK_SCENARIOS", "20000"))
 SOAK_SEED = int(os.environ.get("HARNESS_SOAK_SEED", "100000"))
 
 
-def _start_025(n: int, seed: int) -> subprocess.Popen[str] | None:
-    if not (VLLM025 / "vllm" / "__init__.py").exists():
-        return None
-    # this checkout's kvtier first, not the one the venv's editable install points at
-    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src", ROOT / "tests")))
-    env = dict(os.environ, PYTHONPATH=path,
-               VLLM_LOGGING_LEVEL="ERROR")
-    return subprocess.Popen(
-        [sys.executable, "-m", "harness.run", "--scenarios", str(n), "--seed", str(seed),
-         "--json", "-"],
-        cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish_025(proc: subprocess.Popen[str] | None, timeout: float) -> dict[str, Any]:
-    if proc is None:
-        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    out, err = proc.communicate(timeout=timeout)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert lines, f"the 0.25.1 run printed no summary (rc {proc.returncode}):\n{err[-4000:]}"
-    return json.loads(lines[-1])
-
-
 @pytest.fixture(scope="module")
 def run_025() -> Iterator[subprocess.Popen[str] | None]:
-    proc = _start_025(N_025, 0)
+    proc = start_025(N_025, 0)
     yield proc
     if proc is not None and proc.poll() is None:
         proc.kill()
-
-
-def _report(name: str, summary: dict[str, Any]) -> None:
-    REPORT.parent.mkdir(exist_ok=True)
-    data = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-    data[name] = summary
-    REPORT.write_text(json.dumps(data, indent=1))
 
 
 def _check(summary: dict[str, Any], n: int) -> None:
@@ -112,26 +77,26 @@ def _check_activity(summary: dict[str, Any], n: int) -> None:
 def test_default_run_vllm032(run_025: subprocess.Popen[str] | None) -> None:
     batch: Batch = run_batch(scenarios(N_032, 0))
     summary = batch.to_json()
-    _report("vllm032", summary)
+    report("vllm032", summary)
     _check(summary, N_032)
 
 
 @pytest.mark.vllm025
 def test_default_run_vllm025(run_025: subprocess.Popen[str] | None) -> None:
-    summary = _finish_025(run_025, timeout=900)
+    summary = finish_025(run_025, timeout=900)
     assert summary["version"].startswith("0.25")
-    _report("vllm025", summary)
+    report("vllm025", summary)
     _check(summary, N_025)
 
 
 @pytest.mark.soak
 @pytest.mark.skipif(not SOAK, reason="long run: KVTIER_SOAK=1")
 def test_soak() -> None:
-    proc = _start_025(SOAK_N, SOAK_SEED)
+    proc = start_025(SOAK_N, SOAK_SEED)
     summary = run_batch(scenarios(SOAK_N, SOAK_SEED)).to_json()
-    _report("soak_vllm032", summary)
+    report("soak_vllm032", summary)
     _check(summary, SOAK_N)
     if proc is not None:
-        s025 = _finish_025(proc, timeout=24 * 3600)
-        _report("soak_vllm025", s025)
+        s025 = finish_025(proc, timeout=24 * 3600)
+        report("soak_vllm025", s025)
         _check(s025, SOAK_N)
