@@ -46,3 +46,19 @@ def report(name: str, summary: dict[str, Any]) -> None:
     data = json.loads(REPORT.read_text()) if REPORT.exists() else {}
     data[name] = summary
     REPORT.write_text(json.dumps(data, indent=1))
+
+
+def run_module_025(module: str, timeout: float = 600) -> dict[str, Any]:
+    """Run ``python -m <module>`` (a script under tests/) with vLLM 0.25.1's sources first on
+    the path and return the last JSON line it printed; skips where 0.25.1 is not unpacked."""
+    if not (VLLM025 / "vllm" / "__init__.py").exists():
+        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([str(VLLM025), str(ROOT / "tests"), str(ROOT / "src")]))
+    proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT / "tests", env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["version"] == "0.25.1"
+    return out

@@ -6,33 +6,16 @@ prototype's truncation test."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
+from _harness_runs import run_module_025
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    if not (VLLM025 / "vllm" / "__init__.py").exists():
-        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
-               PYTHONPATH=os.pathsep.join([str(VLLM025), str(ROOT / "tests"), str(ROOT / "src")]))
-    proc = subprocess.run([sys.executable, "-m", "proto_multigroup_load_failure"],
-                          cwd=ROOT / "tests", env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1])
-    assert out["version"] == "0.25.1"
-    return out
+    return run_module_025("proto_multigroup_load_failure")
 
 
 @pytest.mark.vllm025

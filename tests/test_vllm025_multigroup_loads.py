@@ -12,37 +12,20 @@ from) found nothing wrong.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _harness_runs import run_module_025
 from kvtier.load_retry import LOAD_RETRIES
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
 SETS = ("full+full", "full+swa", "full+mamba", "full+mamba+mamba")
 NOT_FULL_ONLY = ("full+swa", "full+mamba", "full+mamba+mamba")
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    if not (VLLM025 / "vllm" / "__init__.py").exists():
-        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
-               PYTHONPATH=os.pathsep.join([str(VLLM025), str(ROOT / "tests"), str(ROOT / "src")]))
-    proc = subprocess.run([sys.executable, "-m", "vllm025_multigroup_loads"],
-                          cwd=ROOT / "tests", env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1])
-    assert out["version"] == "0.25.1"
-    return out
+    return run_module_025("vllm025_multigroup_loads")
 
 
 def assert_like_cold(run: dict[str, Any], cold: dict[str, Any]) -> None:
