@@ -14,6 +14,10 @@ STAGE=${STAGE:-check}
 W=$OUT/$STAGE
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
+# FLA's autotune search (kvtier.testing.triton_autotune): every engine runs one and the same
+# configuration per kernel (KEEP=1: no timing, identical kernels across processes, compiled
+# once per machine); CHECK_KEEP/GAIN_KEEP=N searches N, cached on disk by the first process
+export TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
     --format=csv > "$W/gpu.txt" 2>&1
 git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
@@ -24,7 +28,8 @@ if [ "$STAGE" = check ]; then
         negs=()
         for n in ${NEG:-}; do negs+=(--negative "$n"); done
         # every engine of every architecture at once: GPU_MEM each
-        timeout "${CHECK_TIMEOUT:-420}" python3 tools/gpu_seed_check.py --arch "$a" \
+        GPU_TOOLS_AUTOTUNE_KEEP=${CHECK_KEEP:-1} \
+            timeout "${CHECK_TIMEOUT:-420}" python3 tools/gpu_seed_check.py --arch "$a" \
             --out "$W/seed" --gpu-mem "${GPU_MEM:-0.14}" --timeout $(( ${CHECK_TIMEOUT:-420} - 15 )) \
             "${negs[@]}" > "$W/$a.log" 2>&1 &
         pids+=($!)
@@ -39,7 +44,9 @@ if [ "$STAGE" = check ]; then
     fi
 elif [ "$STAGE" = gain ]; then
     for c in ${CONFIGS:-hbm kvtier native big}; do
-        timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py --model kimi-linear \
+        # in-process engine core: the autotune limit applies and kvtier's counters are read
+        GPU_TOOLS_AUTOTUNE_KEEP=${GAIN_KEEP:-1} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+            timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py --model kimi-linear \
             --dram-gib "${DRAM_GIB:-16}" \
             --config "${c%%-*}" --out "$W/sp_$c.json" > "$W/sp_$c.log" 2>&1
         echo "$c rc=$?: $(grep -E '^(hbm|big|kvtier|native): wall' "$W/sp_$c.log" | tail -1)"

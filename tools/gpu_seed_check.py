@@ -102,6 +102,9 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     negative control)."""
     import importlib
 
+    from kvtier.testing.triton_autotune import limit_autotune
+
+    limit_autotune()  # GPU_TOOLS_AUTOTUNE_KEEP, before vLLM imports its Triton kernels
     from vllm import LLM, SamplingParams
 
     from kvtier.testing.reference import Generated, cold_reference

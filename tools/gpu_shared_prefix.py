@@ -82,6 +82,11 @@ def main() -> int:
         args.max_num_seqs = spec.get("max_num_seqs")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kvtier.testing.triton_autotune import limit_autotune
+
+    # GPU_TOOLS_AUTOTUNE_KEEP, before vLLM imports its Triton kernels; it reaches the
+    # engine only when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    limit_autotune()
     from gpu_restore_check import llama8b
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
