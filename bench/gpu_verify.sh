@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The cost of verified restores (issue 12 item 10) on one H200, vLLM 0.25.1 from the gpu-kit
 # installed into $SITE, in one device call:
-#   1. `kvtier bench transfer` at 2 MiB (mha) and Kimi-Linear's registered layout, checksums
+#   1. (ROUNDS=0 skips it) `kvtier bench transfer` at 2 MiB (mha) and Kimi-Linear's registered layout, checksums
 #      off and on, alternating ROUNDS pairs (GB/s each way, both at once, under a GEMM);
 #   2. the reference shared-prefix run (Llama-3.1-8B shape, design.md §3) with kvtier, one
 #      engine process, AB_PAIRS pairs of phases verify off then on (fresh prompts each:
@@ -27,7 +27,9 @@ for i in $(seq 1 "$ROUNDS"); do
     done
 done
 echo "transfer done after $(( $(date +%s) - t0 )) s"
-timeout 300 python3 tools/gpu_shared_prefix.py --config kvtier --verify-ab "$AB_PAIRS" \
+# in-process engine core: the tool observes each load's park-to-release time and step times
+VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout "${AB_TIMEOUT:-300}" \
+    python3 tools/gpu_shared_prefix.py --config kvtier --verify-ab "$AB_PAIRS" \
     --out "$W/sp_verify_ab.json" > "$W/sp_verify_ab.log" 2>&1
 echo "verify-ab rc=$?"; grep -E "^phase|^kvtier: wall" "$W/sp_verify_ab.log"
 tar czf "$OUT/verify.tgz" -C "$OUT" verify && rm -rf "$W"

@@ -50,6 +50,56 @@ def settings(pairs: list[str]) -> dict:
     return out
 
 
+class PhaseWatch:
+    """Per phase of ``--verify-ab``: each load's park-to-release time (kvtier's own
+    ``SchedulerTimings.loads_ended``, observed beside the metrics) and the time between
+    successive ``schedule()`` calls (one engine step). Needs the in-process engine core
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0); without it the summary is empty."""
+
+    def __init__(self, llm: object) -> None:
+        self.waits: list[float] = []
+        self.steps: list[float] = []
+        self._last: float | None = None
+        try:
+            sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        except AttributeError:
+            return
+        timings = sched.connector.timings
+        ended, schedule = timings.loads_ended, sched.schedule
+
+        def loads_ended(req_ids):  # type: ignore[no-untyped-def]
+            req_ids = list(req_ids)
+            now = timings.clock()
+            self.waits += [now - timings._load_started[r] for r in req_ids
+                           if r in timings._load_started]
+            return ended(req_ids)
+
+        def timed_schedule(*a, **kw):  # type: ignore[no-untyped-def]
+            now = time.perf_counter()
+            if self._last is not None:
+                self.steps.append(now - self._last)
+            self._last = now
+            return schedule(*a, **kw)
+
+        timings.loads_ended = loads_ended
+        sched.schedule = timed_schedule
+
+    def start(self) -> None:
+        self.waits, self.steps, self._last = [], [], None
+
+    def summary(self) -> dict:
+        def q(xs: list[float], f: float) -> float | None:
+            return round(1000 * sorted(xs)[min(len(xs) - 1, int(f * len(xs)))], 2) if xs else None
+
+        return {"loads": len(self.waits), "load_wait_p50_ms": q(self.waits, 0.5),
+                "load_wait_p99_ms": q(self.waits, 0.99),
+                "load_wait_mean_ms": round(1000 * sum(self.waits) / len(self.waits), 2)
+                if self.waits else None,
+                "steps": len(self.steps), "step_p50_ms": q(self.steps, 0.5),
+                "step_mean_ms": round(1000 * sum(self.steps) / len(self.steps), 3)
+                if self.steps else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=["hbm", "big", "kvtier", "native"], required=True)
@@ -153,14 +203,20 @@ def main() -> int:
     if args.verify_ab:
         from kvtier.testing.verify_switch import rpc_set_verify
 
+        watch = PhaseWatch(llm)
         for i in range(2 * args.verify_ab):
             on = i % 2 == 1
             switched = llm.collective_rpc(rpc_set_verify, args=(on,))
             llm.reset_prefix_cache()
+            watch.start()
             t = time.time()
             llm.generate(workload(1 + i), params, use_tqdm=False)
-            phases.append({"verify": on, "wall_s": time.time() - t, "switched": switched})
-            print(f"phase {i}: verify {'on' if on else 'off'}: {phases[-1]['wall_s']:.2f} s",
+            phases.append({"verify": on, "wall_s": time.time() - t, "switched": switched,
+                           **watch.summary()})
+            print(f"phase {i}: verify {'on' if on else 'off'}: {phases[-1]['wall_s']:.2f} s, "
+                  f"park-to-release p50 {phases[-1].get('load_wait_p50_ms')} ms p99 "
+                  f"{phases[-1].get('load_wait_p99_ms')} ms over {phases[-1].get('loads')} loads, "
+                  f"step p50 {phases[-1].get('step_p50_ms')} ms (of {phases[-1].get('steps')})",
                   flush=True)
         llm.collective_rpc(rpc_set_verify, args=(True,))
         llm.reset_prefix_cache()
