@@ -42,3 +42,28 @@ def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) ->
     assert kv["enable_prefix_caching"] is True
     assert kv["kv_transfer_config"].kv_connector == "ProbeConnector"
     assert kv["kv_transfer_config"].kv_connector_extra_config["cost_model"] is False
+
+
+def test_a_child_writes_its_result_where_the_driver_waits_for_it(tmp_path: Path) -> None:
+    """The chunk probe waited for ``<arch>_probe.json`` while its child wrote
+    ``<arch>_kvtier.json`` (H200, 2026-12-01: "no chunk size" after a probe that ran): the
+    driver now names the file in the child's arguments."""
+    tool = _tool()
+    path = str(tmp_path / "x_probe.json")
+    args = tool.argparse.Namespace(arch="x", out=str(tmp_path), model_root=str(tmp_path),
+                                   dram="1GiB", max_model_len=64, gpu_mem=0.1, chunk=0,
+                                   timeout=1, cpu=False, eager=False)
+    argv: list[list[str]] = []
+
+    class Recorded:
+        def __init__(self, a: list[str], **_: object) -> None:
+            argv.append(a)
+
+    real = tool.subprocess.Popen
+    tool.subprocess.Popen = Recorded  # type: ignore[misc]
+    try:
+        _, got, _ = tool.spawn(args, "kvtier", None, path, "")
+    finally:
+        tool.subprocess.Popen = real  # type: ignore[misc]
+    (a,) = argv
+    assert got == path and a[a.index("--result") + 1] == path

@@ -181,7 +181,8 @@ def spawn(args: argparse.Namespace, mode: str, negative: str | None, path: str,
     argv = [sys.executable, os.path.abspath(__file__), "--arch", args.arch, "--child", mode,
             "--out", args.out, "--model-root", args.model_root, "--dram", args.dram,
             "--max-model-len", str(args.max_model_len), "--gpu-mem", str(args.gpu_mem),
-            "--chunk", str(args.chunk), "--cold", cold, "--timeout", str(args.timeout)]
+            "--chunk", str(args.chunk), "--cold", cold, "--timeout", str(args.timeout),
+            "--result", path]
     argv += ["--cpu"] * args.cpu + ["--eager"] * args.eager
     if negative:
         argv += ["--negative", negative]
@@ -233,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true", help="CUDA graphs off")
     ap.add_argument("--child", choices=["kvtier", "cold"], default=None)
     ap.add_argument("--cold", default="", help="the cold reference JSON (set by the driver)")
+    ap.add_argument("--result", default="", help="the child's result JSON (set by the driver)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.child:  # one engine, one result file
         args.negative = args.negative[0] if args.negative else None
         res = run_engine(args, args.child)
         name = f"{args.arch}_{args.child}" + (f"_neg_{args.negative}" if args.negative else "")
-        _write(os.path.join(args.out, name + ".json"), res)
+        _write(args.result or os.path.join(args.out, name + ".json"), res)
         return 0
     base = os.path.join(args.out, args.arch)
     if not args.chunk and not args.cpu:
