@@ -155,7 +155,9 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
               f"{r.restored_tokens}/{r.expected_restored}, cold compared: {r.cold_checked}, "
               + str([(p.checksums_equal, p.tokens_equal, p.logprobs_equal, p.tokens_equal_cold,
                       p.logprobs_equal_cold, p.hbm_hit_equal_cold, p.blocks_compared)
-                     for p in r.prompts]),
+                     for p in r.prompts])
+              + "; against run A (this engine's first computation, tokens/logprobs): "
+              + str([(p.tokens_equal_first, p.logprobs_equal_first) for p in r.prompts]),
               flush=True)
     res["kvtier_stats"] = {k: v for k, v in vars(h.kvtier.stats).items()
                            if isinstance(v, (int, float))}

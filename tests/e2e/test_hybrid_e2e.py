@@ -102,6 +102,7 @@ def test_restore_check_with_state_equals_hbm_hit_and_cold_recompute(
         assert p.blocks_compared["state"] == 3 and p.blocks_compared["full"] >= 1, p
         assert p.tokens_equal and p.logprobs_equal, (p.tokens_b, p.tokens_c)
         assert p.tokens_equal_cold and p.logprobs_equal_cold, p
+        assert p.tokens_equal_first and p.logprobs_equal_first, p  # run A, from nothing
     assert res.passed
 
 
@@ -121,6 +122,7 @@ def test_negative_control_loads_without_state_objects_fail_the_check(
     assert p.blocks_compared["state"] == 3 and not p.checksums_equal  # ...the state did not
     # each output comparison sees it on its own, against either reference
     assert not p.logprobs_equal and not p.logprobs_equal_cold, p
+    assert not p.logprobs_equal_first, p
     assert not res.passed
 
 

@@ -121,6 +121,12 @@ class PromptResult:
     # vLLM's own prefix-cache hit (C) against the cold run (D): where vLLM's cache is not
     # bit-equal to a recompute (a recurrent scan split at other chunk ends), B cannot be either
     hbm_hit_equal_cold: bool | None = None
+    # B against run A, this engine's own computation of the prompt from nothing (prefix
+    # caching on, nothing cached): the recompute that splits a recurrent scan at the same
+    # chunk ends as the cached runs, so it is the reference a state restore can equal
+    # bit for bit where the cold run (D, one prefill step) cannot
+    tokens_equal_first: bool | None = None
+    logprobs_equal_first: bool | None = None
     blocks_compared: dict[str, int] = field(default_factory=dict)
     tokens_b: list[int] = field(default_factory=list)
     tokens_c: list[int] = field(default_factory=list)
@@ -249,7 +255,7 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     if cold is not None and len(cold) != len(prompts):
         raise ValueError(f"{len(cold)} cold reference outputs for {len(prompts)} prompts")
     h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
-    generate(h, prompts, params)
+    outs_a = generate(h, prompts, params)
     sums_a = [_checksums(h, p) for p in prompts]
     outs_c = generate(h, prompts, params)  # vLLM's own prefix cache at the same boundary
     from kvtier.testing.probe import rpc_fill
@@ -262,7 +268,8 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     sums_b = [_checksums(h, p) for p in prompts]
     c = h.kvtier.geometry.chunk_tokens
     results = []
-    for i, (p, a, b, oc, ob) in enumerate(zip(prompts, sums_a, sums_b, outs_c, outs_b)):
+    for i, (p, a, b, oa, oc, ob) in enumerate(zip(prompts, sums_a, sums_b, outs_a, outs_c,
+                                                   outs_b)):
         d = cold[i] if cold is not None else None
         results.append(PromptResult(
             prompt_len=len(p), expected_restored=(len(p) - 1) // c * c,
@@ -273,6 +280,7 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
             logprobs_equal_cold=None if d is None else same_logprobs(ob, d),
             hbm_hit_equal_cold=None if d is None else (same_tokens(oc, d)
                                                        and same_logprobs(oc, d)),
+            tokens_equal_first=same_tokens(ob, oa), logprobs_equal_first=same_logprobs(ob, oa),
             blocks_compared=_compared(h, a, b),
             tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
         ))
