@@ -115,6 +115,13 @@ def test_minimax_m3_has_dense_and_sparse_layers_and_fp8(tmp_path: pathlib.Path) 
     # Hopper one) takes (the fp8 index cache needs SM100's MSA impl)
     assert args["kv_cache_dtype"] == "fp8"
     assert args["attention_config"] == {"indexer_kv_dtype": "bf16"}
+    # the block size is given: 0.25.1 would take the dense layers' 16, which its sparse and
+    # index backends refuse (their only kernel block size is the sparse block)
+    assert args["block_size"] == sparse["sparse_block_size"]
+    for module in ("sparse_attention.py", "indexer.py"):
+        code = (VLLM025 / "models" / "minimax_m3" / "common" / module).read_text()
+        body = code.split("def get_supported_kernel_block_sizes", 1)[1].split("def ", 1)[0]
+        assert f"return [{args['block_size']}]" in body, module
 
 
 def test_qwen3_next_uses_the_triton_gdn_prefill_the_kit_has() -> None:

@@ -259,8 +259,12 @@ SEED_MODELS: dict[str, SeedModel] = {m.name: m for m in (
               needs="DeepGEMM with its JIT headers and a CUDA compiler (DSA indexer); "
                     "transformers with GlmMoeDsaConfig; on 0.25.1 the fp8_ds_mla spec fix "
                     "(vllm-project/vllm#48379)"),
+    # block_size 128 (the sparse block): vLLM 0.25.1 takes the block size from the first
+    # non-SSM layer's backend, a dense FLASH_ATTN layer (16), and then finds no kernel block
+    # size for the sparse and index caches, which take only 128 (`No common block size for
+    # 16`, select_common_block_size; H200, 2026-12-01)
     SeedModel("minimax_m3", "MiniMaxM3SparseForCausalLM", minimax_m3,
-              engine_args={"kv_cache_dtype": "fp8",
+              engine_args={"kv_cache_dtype": "fp8", "block_size": 128,
                            "attention_config": {"indexer_kv_dtype": "bf16"}}),
     SeedModel("deepseek_v3_mtp", "DeepseekV3ForCausalLM", deepseek_v3_mtp,
               engine_args={"speculative_config": {"method": "mtp",
