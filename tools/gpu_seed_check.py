@@ -85,6 +85,10 @@ def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str,
 NEGATIVE_CONTROLS = {
     # name -> (module in kvtier.testing, rpc run on every worker with args (True,))
     "skip_state": ("kvtier.testing.probe", "rpc_skip_state_loads"),
+    # bytes inside the blocks (kvtier.testing.controls): issue 14's families
+    "indexer": ("kvtier.testing.controls", "rpc_mask_indexer"),
+    "draft_layers": ("kvtier.testing.controls", "rpc_mask_draft_layers"),
+    "fp8_ds_mla_scales": ("kvtier.testing.controls", "rpc_mask_fp8_ds_mla_scales"),
 }
 
 

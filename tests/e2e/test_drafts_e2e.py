@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.testing.controls import draft_layers, rpc_mask_loads
+from kvtier.testing.controls import draft_layers, layer_bytes, rpc_mask_draft_layers
 from kvtier.testing.models import tiny_deepseek_v3_mtp
 from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
 from tests.e2e.conftest import greedy, make_llm, prompt
@@ -62,12 +62,15 @@ def test_two_prompts_sharing_a_chunk_and_differing_right_after_it(engine: Any) -
 
 
 def test_negative_control_draft_layers_not_restored_fails_the_check(engine: Any) -> None:
-    drafts = _drafts(engine)
-    engine.llm.collective_rpc(rpc_mask_loads, args=("layers", drafts))
+    # the worker picks its draft layers itself (the control the H200 tool uses), the same
+    # bytes as the driver's choice
+    want = layer_bytes(engine.worker_connector.vllm_kv_caches, _drafts(engine)).count()
+    (masked,) = engine.llm.collective_rpc(rpc_mask_draft_layers)
+    assert masked == want > 0
     try:
         res = restore_check(engine, [prompt(2 * C + 5, seed=64)], greedy())
     finally:
-        engine.llm.collective_rpc(rpc_mask_loads, args=(None, []))
+        assert engine.llm.collective_rpc(rpc_mask_draft_layers, args=(False,)) == [0]
         engine.llm.reset_prefix_cache()
     (p,) = res.prompts
     assert res.restored_tokens == res.expected_restored > 0  # the load "succeeded"...

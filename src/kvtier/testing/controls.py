@@ -228,3 +228,47 @@ def rpc_mask_loads(worker: Any, control: str | None, names: list[str]) -> int:
     engine = probe.load_controls
     engine.mask = None if control is None else MASKS[control](probe.vllm_kv_caches, names)
     return 0 if engine.mask is None else engine.mask.count()
+
+
+def _target_layers(worker: Any) -> int:
+    """The target model's layer count on a vLLM worker (the MTP block is numbered after it)."""
+    config = worker.model_runner.model_config.hf_config
+    return int(config.num_hidden_layers)
+
+
+def rpc_mask_indexer(worker: Any, on: bool = True) -> int:
+    """:func:`rpc_mask_loads` over this rank's DSA indexer caches (a restore that leaves the
+    indexer keys out must fail the check); 0 layers found is an error, not a silent pass."""
+    return _mask_named(worker, "layers", indexer_layers, on)
+
+
+def rpc_mask_draft_layers(worker: Any, on: bool = True) -> int:
+    """:func:`rpc_mask_loads` over this rank's MTP draft layers."""
+    target = _target_layers(worker)
+    return _mask_named(worker, "layers", lambda names: draft_layers(names, target), on)
+
+
+def rpc_mask_fp8_ds_mla_scales(worker: Any, on: bool = True) -> int:
+    """:func:`rpc_mask_loads` over the inline scales of this rank's ``fp8_ds_mla`` rows (every
+    registered uint8 cache whose rows are 656 bytes; the indexer's are not)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    caches = get_kv_transfer_group().vllm_kv_caches
+
+    def rows(names: Iterable[str]) -> list[str]:
+        return [n for n in names if all(t.element_size() == 1 and t.shape[-1] == FP8_DS_MLA_ROW
+                                        for t in _tensors(caches[n]))]
+
+    return _mask_named(worker, "fp8_ds_mla_scales", rows, on)
+
+
+def _mask_named(worker: Any, control: str, choose: Callable[[Iterable[str]], list[str]],
+                on: bool) -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    if not on:
+        return rpc_mask_loads(worker, None, [])
+    names = choose(list(get_kv_transfer_group().vllm_kv_caches))
+    if not names:
+        raise ValueError(f"negative control {control}: no registered cache matches")
+    return rpc_mask_loads(worker, control, names)
