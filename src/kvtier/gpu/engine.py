@@ -112,8 +112,9 @@ class _JobState:
     ``batch_bytes``) run one after another on the direction's streams. ``started`` is the
     start event of its first batch (``t0`` its host time, where events cannot time), so
     ``seconds`` is the wall time from its first copy's start to its last copy's end;
-    ``link_seconds`` adds up its share of each batch's time, by bytes, so that the shares of
-    the jobs sharing a batch add up to that batch's time once (see :class:`Completion`)."""
+    ``link_seconds`` adds up its share, by bytes, of each batch's busy time (the batch's time
+    less what overlapped the direction's previous batch), so that the shares of the jobs
+    sharing a batch add up to that batch's busy time once (see :class:`Completion`)."""
 
     __slots__ = ("corrupt", "error", "kind", "link_seconds", "nbytes", "read_events",
                  "remaining", "seconds", "started", "t0")
