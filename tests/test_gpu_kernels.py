@@ -54,6 +54,7 @@ from kvtier.gpu.engine import CudaTransferEngine
 from kvtier.layout import GroupKind, GroupLayout
 from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.testing.host_runtime import FailingCopyRuntime, HostRuntime
+from kvtier.testing.link_runtime import LinkRuntime
 from kvtier.transfer import ChunkMover
 
 if not isinstance(kernels._move_kernel, InterpretedFunction):
@@ -347,4 +348,37 @@ def test_state_group_and_paths() -> None:
     eng2 = CudaTransferEngine(mover, KvtierConfig(dram_size="1GiB"), dma_min_piece=1,
                               runtime=HostRuntime())
     assert eng2.paths() == ["dma"] * len(kinds)
+    mover.slab.close()
+
+
+# --- the times the engine reports (tests/test_link_estimate.py has the DMA path) ------------
+
+def test_kernel_path_times_jobs_and_counts_link_time_once() -> None:
+    """Staged batches of 2 chunks on a link of known speed (LinkRuntime): a save batch's
+    gather may start while the batch before it still copies, so batch times overlap; every
+    job's busy seconds together are the link's busy time, once, and a load of all the chunks
+    reports the whole of its batches as its seconds."""
+    fam = _family("v032_flash_LBHNC")
+    chunk, bpc = blocks_per_chunk(fam.layout)
+    mover = make_mover(fam.layout, chunk, bpc, 8, pin=False)
+    cb = codec.chunk_bytes(fam.layout.groups[0], bpc[0])
+    rt = LinkRuntime(10.0)
+    eng = CudaTransferEngine(mover, KvtierConfig(dram_size="1GiB", gpu_staging_size="8MiB"),
+                             mode="kernel", batch_bytes=2 * cb, max_programs=4, runtime=rt)
+    assert eng.paths() == ["kernel"]
+    ops = [TransferOp(0, s, list(range(s * bpc[0], (s + 1) * bpc[0]))) for s in range(6)]
+    eng.tick()
+    for s, op in enumerate(ops):
+        eng.save(Job(s, f"r{s}", [op], chunk=s))
+    saves = drain(eng, set(range(6)))
+    link = 6 * cb / 10e9
+    assert sum(c.busy_seconds for c in saves.values()) == pytest.approx(link, rel=1e-9)
+    assert max(c.seconds for c in saves.values()) == pytest.approx(link, rel=1e-9)
+    eng.tick()
+    eng.load(Job(10, "x", ops))
+    load = drain(eng, {10})[10]
+    assert load.ok and load.nbytes == 6 * cb
+    assert load.seconds == pytest.approx(link, rel=1e-9)
+    assert load.busy_seconds == pytest.approx(link, rel=1e-9)
+    eng.close()
     mover.slab.close()

@@ -104,6 +104,12 @@ class WorkerReport:
 
     ``corrupt``: per load or verify job, the (slot class, slot) pairs whose bytes did not
     match their checksum on some rank; ``checksum_failures``: jobs that failed so, per rank.
+
+    ``bytes_saved``/``bytes_loaded`` and ``save_seconds``/``load_seconds``: per direction, the
+    bytes of the finished jobs and their :attr:`~kvtier.transfer.Completion.busy_seconds`
+    (each job's share of its rank's link busy time), summed over jobs and ranks. Bytes over
+    seconds is then at most the rate one rank's link achieved (every rank moves its own bytes
+    over its own link at the same time, so both sums grow by the number of ranks).
     """
 
     saves: dict[int, list[int]] = field(default_factory=dict)

@@ -607,9 +607,9 @@ class OffloadScheduler:
                 if js.ok + js.failed == self.world_size:
                     self._finish(js)
         if report.bytes_loaded and report.load_seconds > 0:
-            # Loads only: a load is one job with its own timing, while saves are batched and
-            # each saved job reports its whole batch's time (summing those undercounts the
-            # link). Every rank moves its own bytes over its own link at once.
+            # Loads only: the estimate prices loads, and the host-to-device direction has a
+            # rate of its own. load_seconds is the link's busy time (WorkerReport), so this
+            # is the rate one rank's link achieved, never more.
             self.estimates.observe_transfer(report.bytes_loaded, report.load_seconds)
 
     def _finish(self, js: _JobState) -> None:

@@ -62,6 +62,18 @@ class ChecksumMismatch(Exception):
 
 @dataclass
 class Completion:
+    """One job's terminal report from an engine, on one rank.
+
+    ``nbytes``: the bytes the job moved over this rank's host link (0 when it failed).
+    ``seconds``: its wall time, from the start of its first copy to the end of its last one,
+    all its KV-cache groups and batches included: what the job cost in latency.
+    ``link_seconds``: its share of this rank's link busy time. Jobs that share a batch, or
+    otherwise move at once, split the time they overlap, so the ``link_seconds`` of any set
+    of jobs add up to at most the time the link was busy with them, and their bytes over it
+    to at most the rate the link achieved, never more. ``None``: the same as ``seconds``
+    (an engine whose jobs never overlap: one at a time on one thread).
+    """
+
     job_id: int
     kind: JobKind
     ok: bool
@@ -69,6 +81,12 @@ class Completion:
     seconds: float
     error: str = ""
     corrupt: list[Mismatch] = field(default_factory=list)  # a checksum failure, if any
+    link_seconds: float | None = None
+
+    @property
+    def busy_seconds(self) -> float:
+        """This job's share of the link's busy time (see the class docstring)."""
+        return self.seconds if self.link_seconds is None else self.link_seconds
 
 
 class TransferEngine(ABC):

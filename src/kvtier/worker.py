@@ -214,7 +214,7 @@ class OffloadWorker:
         if c.kind == JobKind.SAVE:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
             rep.bytes_saved += c.nbytes
-            rep.save_seconds += c.seconds
+            rep.save_seconds += c.busy_seconds
             self.total_bytes_saved += c.nbytes
             return
         req_id, blocks = self._load_reqs.pop(c.job_id)
@@ -224,7 +224,7 @@ class OffloadWorker:
             return
         rep.loads[c.job_id] = [1, 0] if ok else [0, 1]
         rep.bytes_loaded += c.nbytes
-        rep.load_seconds += c.seconds
+        rep.load_seconds += c.busy_seconds
         self.total_bytes_loaded += c.nbytes
         out.finished_loads.add(req_id)
         if not ok:

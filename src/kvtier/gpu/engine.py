@@ -105,10 +105,19 @@ class _Group:
 
 
 class _JobState:
-    """One accepted job: its batches still running, and the events after which the blocks of
-    a save are no longer read (for fences)."""
+    """One accepted job: its batches still running, the events after which the blocks of a
+    save are no longer read (for fences), and its timing.
 
-    __slots__ = ("corrupt", "error", "kind", "nbytes", "read_events", "remaining", "seconds")
+    A job's batches (one or more per group: a job moves all its groups, in batches of at most
+    ``batch_bytes``) run one after another on the direction's streams. ``started`` is the
+    start event of its first batch (``t0`` its host time, where events cannot time), so
+    ``seconds`` is the wall time from its first copy's start to its last copy's end;
+    ``link_seconds`` adds up its share, by bytes, of each batch's busy time (the batch's time
+    less what overlapped the direction's previous batch), so that the shares of the jobs
+    sharing a batch add up to that batch's busy time once (see :class:`Completion`)."""
+
+    __slots__ = ("corrupt", "error", "kind", "link_seconds", "nbytes", "read_events",
+                 "remaining", "seconds", "started", "t0")
 
     def __init__(self, kind: str, nbytes: int) -> None:
         self.kind = kind
@@ -117,6 +126,9 @@ class _JobState:
         self.error = ""
         self.read_events: list[Any] | None = None
         self.seconds = 0.0
+        self.link_seconds = 0.0
+        self.started: Any = None
+        self.t0 = 0.0
         self.corrupt: list[Mismatch] = []
 
 
@@ -131,6 +143,7 @@ class _Batch:
     warned: bool = False
     check: BatchCheck | None = None  # the batch's device checksums
     host_rows: Rows | None = None  # saves of a host-checked group: checksummed at the end
+    shares: list[float] | None = None  # each job's part of the batch's bytes (job_ids order)
 
 
 @dataclass
@@ -198,6 +211,22 @@ class _IdUpload:
         return out
 
 
+def _byte_shares(kind: str, g: _Group, ids: np.ndarray,
+                 owners: list[int]) -> tuple[list[int], list[float]]:
+    """The distinct jobs of a batch's rows (``owners``: each row's job) and each one's part of
+    the bytes the batch moves: whole chunks for a save, the blocks not ``SKIP`` for a load."""
+    rows = (np.full(len(owners), g.bpc) if kind == "save"
+            else (ids != SKIP).sum(axis=1))
+    per: dict[int, int] = {}
+    for job_id, n in zip(owners, rows.tolist()):
+        per[job_id] = per.get(job_id, 0) + int(n)
+    total = sum(per.values())
+    job_ids = list(per)
+    if total <= 0:
+        return job_ids, [1.0 / len(job_ids)] * len(job_ids)
+    return job_ids, [per[j] / total for j in job_ids]
+
+
 class CudaTransferEngine(TransferEngine):
     """Saves and loads of whole jobs on CUDA side streams (see the module docstring).
 
@@ -262,6 +291,8 @@ class CudaTransferEngine(TransferEngine):
         self.trace: list[dict[str, Any]] | None = None  # set to a list to record batches
         self._ready: list[Completion] = []
         self._step_event: Any = None
+        # per direction, the end of the batch finished last (for link busy time)
+        self._last_done: dict[str, Any] = {"save": None, "load": None}
 
     # -- set-up -----------------------------------------------------------------------------
     def _set_up_group(self, gid: int, stage_half: int, dma_min_piece: int) -> _Group:
@@ -368,28 +399,53 @@ class CudaTransferEngine(TransferEngine):
                 return False
         except RuntimeError as e:  # a CUDA error: nothing of this batch runs any more
             err = err or f"{type(e).__name__}: {e}"
-        secs = time.perf_counter() - b.t0
-        if not err and b.done is not None:
-            with contextlib.suppress(RuntimeError):
-                secs = b.start.elapsed_time(b.done) / 1e3
+        now = time.perf_counter()
+        secs = self._elapsed(b.start, b, err, now - b.t0)
+        busy = self._busy(b, secs, err)
         jobs = self._jobs
         if not err:
             self._finish_checks(b)
-        for job_id in b.job_ids:
+        shares = b.shares or [1.0 / len(b.job_ids)] * len(b.job_ids)
+        for job_id, share in zip(b.job_ids, shares):
             st = jobs.get(job_id)
             if st is None:
                 continue
             if err and not st.error:
                 st.error = err
-            if secs > st.seconds:
-                st.seconds = secs
+            st.link_seconds += share * busy
+            # from the job's first batch's start: its batches ran one after another
+            st.seconds = max(st.seconds, self._elapsed(st.started, b, err, now - st.t0))
             st.remaining -= 1
             if st.remaining <= 0:
                 del jobs[job_id]
                 out.append(Completion(job_id, st.kind, not st.error,
                                       0 if st.error else st.nbytes, st.seconds, st.error,
-                                      st.corrupt))
+                                      st.corrupt, st.link_seconds))
         return True
+
+    def _busy(self, b: _Batch, secs: float, err: str) -> float:
+        """The part of a completed batch's ``secs`` its direction's link was not already busy
+        with the batch finished before it: a batch may start (its gather, its wait for the
+        staging ring) while the one before it still copies. The busy parts of a direction's
+        batches add up to the time any of them ran, each second once."""
+        prev, self._last_done[b.kind] = self._last_done[b.kind], (
+            b.done if not err and b.done is not None else None)
+        if err or prev is None or b.done is None:
+            return secs
+        try:
+            overlap = float(b.start.elapsed_time(prev)) / 1e3
+        except RuntimeError:
+            return secs
+        return secs - min(max(overlap, 0.0), secs)
+
+    @staticmethod
+    def _elapsed(start: Any, b: _Batch, err: str, host_seconds: float) -> float:
+        """Device seconds from the event ``start`` to the end of the completed batch ``b``
+        (``host_seconds`` where the device cannot time them: an error, a lost context)."""
+        if not err and b.done is not None and start is not None:
+            with contextlib.suppress(RuntimeError):
+                return float(start.elapsed_time(b.done)) / 1e3
+        return host_seconds
 
     def _finish_checks(self, b: _Batch) -> None:
         """A completed batch's checksums: stored (saves) or compared (loads)."""
@@ -562,11 +618,12 @@ class CudaTransferEngine(TransferEngine):
                     rows = Rows(gid, g.slot_class, w.slots[a:a + per], w.digests[a:a + per],
                                 w.ids[a:a + per], w.owners[a:a + per])
                 self._batch(kind, g, w.ids[a:a + per], addrs[a:a + per],
-                            list(dict.fromkeys(w.owners[a:a + per])), after, rows)
+                            w.owners[a:a + per], after, rows)
 
     def _batch(self, kind: str, g: _Group, ids: np.ndarray, slots: np.ndarray,
-               job_ids: list[int], after: Any, rows: Rows | None = None) -> None:
+               owners: list[int], after: Any, rows: Rows | None = None) -> None:
         rt = self.rt
+        job_ids, shares = _byte_shares(kind, g, ids, owners)
         check = (BatchCheck(rt, g.tiles, rows) if rows is not None and not g.host_check
                  else None)
         t0 = time.perf_counter()
@@ -595,6 +652,8 @@ class CudaTransferEngine(TransferEngine):
         for job_id in job_ids:
             st = jobs[job_id]
             st.remaining += 1
+            if st.started is None:
+                st.started, st.t0 = start, t0
             if track:
                 if st.read_events is None:
                     st.read_events = list(reads)
@@ -602,7 +661,7 @@ class CudaTransferEngine(TransferEngine):
                     st.read_events += reads
         host_rows = rows if rows is not None and g.host_check and kind == "save" else None
         self._inflight[kind].append(_Batch(kind, job_ids, done, start, t0, error, False,
-                                           check, host_rows))
+                                           check, host_rows, shares))
         if self.trace is not None:
             self.trace.append({"kind": kind, "path": g.path, "chunks": len(slots),
                                "bytes": len(slots) * g.chunk_bytes, "start": start,

@@ -149,7 +149,8 @@ METRICS: tuple[Metric, ...] = (
                                  lambda r, k: r.bytes_saved if k is JobKind.SAVE
                                  else r.bytes_loaded)),
     Metric("transfer_seconds", COUNTER, WORKER,
-           "Seconds transfers took, per direction (summed over ranks and concurrent jobs).",
+           "Seconds the host link was busy with transfers, per direction (summed over "
+           "ranks; jobs that moved at once count their shared time once).",
            label="direction",
            series=_per_direction("save_seconds", "load_seconds",
                                  lambda r, k: r.save_seconds if k is JobKind.SAVE

@@ -187,6 +187,10 @@ class SchedulerSide:
             if nr.req_id in self.requests:
                 self._ensure_request(self.requests[nr.req_id])
         step = step_input(scheduler_output, groups)
+        if step.new and not step.cached:
+            # Nothing was running, so every earlier step's output is in: the time since the
+            # last one was idle (no requests), not this step's; its clock starts now.
+            self._last_output = time.monotonic()
         self._blind.difference_update(nr.req_id for nr in step.new)  # a full table
         self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
         step.scheduled = self._scheduled_tokens(scheduler_output)
