@@ -43,6 +43,7 @@ def test_timelines_count_each_phase_and_each_park_once() -> None:
     b = lines["b"]
     assert b["parks"] == [2, 1] and b["parked_steps"] == 3 and b["queued_steps"] == 1
     assert b["prefill_s"] == 0.5 and b["first_step"] == 0 and b["last_step"] == 5
+    assert b["first_prefill_step"] == 3 and lines["a"]["first_prefill_step"] == 0
     assert lines["a"]["parks"] == [] and lines["a"]["end_s"] == 1.5
     assert park_steps(lines) == {1: 1, 2: 1}
 

@@ -18,7 +18,7 @@ def test_the_offline_bench_runs_every_configuration_and_reports_them(tmp_path: P
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "kvtier.cli", "bench", "offline", "--shape", "tiny",
            "--prefixes", "2", "--prefix-len", "256", "--per-prefix", "2", "--suffix-len", "64",
-           "--output-len", "4", "--hbm-blocks", "12", "--dram-gib", "0.125", "--enforce-eager",
+           "--output-len", "4", "--hbm-blocks", "14", "--dram-gib", "0.125", "--enforce-eager",
            "--kvtier-set", "cost_model=false", "--model-root", str(tmp_path),
            "--out-dir", str(out)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))

@@ -196,7 +196,8 @@ def gap_table(cats: Mapping[str, Mapping[str, float]], walls: Mapping[str, float
 
 
 def timelines(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
-    """Per request: seconds and steps in each phase, the step it first ran and finished in,
+    """Per request: seconds and steps in each phase, the step it first appeared in, first
+    prefilled in (``first_prefill_step``) and was last seen in,
     and its parks' lengths in steps (consecutive parked steps, each park once)."""
     out: dict[str, dict[str, Any]] = {}
     last: dict[str, str] = {}
@@ -208,6 +209,8 @@ def timelines(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
                                      "start_s": s.t0})
             r[ph + "_s"] += s.step_s
             r[ph + "_steps"] += 1
+            if ph == "prefill":
+                r.setdefault("first_prefill_step", i)
             r["last_step"] = i
             r["end_s"] = s.t0 + s.step_s
             if ph == "parked":
