@@ -22,9 +22,6 @@ import sys
 import time
 from typing import Any
 
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the recorder needs the engine core here
-
 CONFIGS = ("hbm", "big", "native", "kvtier", "kvtier-null-copy")
 
 # The reference shapes (issue 15): per shape, the model config, vLLM block size, the HBM
@@ -251,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     add_workload_arguments(p)
     args = p.parse_args(argv)
+    # set here, not at import: ``kvtier bench`` imports this module for its flags
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the recorder needs the engine core
     res = run(args)
     with open(args.out, "w") as f:
         json.dump(res, f)
