@@ -13,7 +13,9 @@ Contract:
   eviction), so every decision and every park is the one kvtier makes. A completion reports
   the bytes the copy would have moved, over the seconds they take at the configured
   ``link_gbps``, so the planner's link estimate stays at the configured rate and its
-  load-or-recompute decisions are those of a link of that speed.
+  load-or-recompute decisions are those of a link of that speed. Saves commit in the step
+  they start, as fast as a copy could: a later lookup can find a chunk a step or more before
+  a run with real copies would (a floor, not a replay).
 - :attr:`NullCopyEngine.report_steps` counts, per job, the engine steps between submission
   and report (0: reported in the step it started).
 """
