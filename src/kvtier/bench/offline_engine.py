@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False,
                             temperature=0.0)
     # warm-up on an unrelated prompt (kernels, allocator), not timed
-    llm.generate([{"prompt_token_ids": toks(512, 7, vocab)}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": toks(min(512, args.prefix_len), 7, vocab)}], params,
+                 use_tqdm=False)
     llm.reset_prefix_cache()
     rec = st.StepRecorder()
     wconn = get_kv_transfer_group() if has_kv_transfer_group() else None
