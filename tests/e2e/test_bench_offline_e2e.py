@@ -1,7 +1,9 @@
 """``kvtier bench offline`` end to end on vLLM's CPU build with a tiny model: the five
 configurations in one command, one engine process each, HBM short enough that kvtier parks
 requests for loads; the report's tables, JSON and PNG; kvtier's restored prefixes give the
-tokens of the run where every prefix stays in HBM; null-copy's parks end in the next step."""
+tokens of the run where every prefix stays in HBM; null-copy's parks end in the next step.
+vLLM's native OffloadingConnector needs CUDA (its worker refuses the CPU build's cache): its
+failure is reported with its log, and the other configurations still run."""
 
 from __future__ import annotations
 
@@ -23,15 +25,19 @@ def test_the_offline_bench_runs_every_configuration_and_reports_them(tmp_path: P
            "--out-dir", str(out)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # native, below
     summary = json.loads((out / "summary.json").read_text())
-    configs = ("hbm", "big", "native", "kvtier", "kvtier-null-copy")
-    assert list(summary["configs"]) == list(configs)
+    assert list(summary["configs"]) == ["hbm", "big", "native", "kvtier", "kvtier-null-copy"]
+    native = summary["configs"]["native"]
+    assert native["wall_s"] == [] and "offloading" in native["errors"][0]["log_tail"]
+    assert summary["device"] == "cpu" and summary["command"].startswith("kvtier bench offline")
+    configs = ("hbm", "big", "kvtier", "kvtier-null-copy")
     runs = {c: json.loads((out / f"{c}-r0.json").read_text()) for c in configs}
     assert all(r["config"] == c and r["requests"] == 4 for c, r in runs.items())
     assert (out / "timelines.png").stat().st_size > 1000
     md = (out / "summary.md").read_text()
     assert "| kvtier-null-copy |" in md and "Gap to kvtier-null-copy" in md
+    assert "| native | failed: exit 1" in md and "native failed (exit 1" in md
 
     kvt, null, big = runs["kvtier"], runs["kvtier-null-copy"], runs["big"]
     assert kvt["tokens"] == big["tokens"]  # restored prefixes: the model's own tokens

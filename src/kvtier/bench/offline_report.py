@@ -137,6 +137,7 @@ def plot(path: str, runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str)
                 left += w
         ax.set_ylabel(c, rotation=0, ha="right", fontsize=8)
         ax.set_yticks([])
+        ax.invert_yaxis()  # the first request on top
         ax.set_title(f"{c}: {m['wall_s']:.2f} s", fontsize=8, loc="left")
     axes[0, 0].legend(fontsize=7, ncol=4, loc="upper right")
     axes[-1, 0].set_xlabel("seconds from the run's start (phases stacked per request)")
