@@ -17,10 +17,11 @@ from kvtier.protocol import SKIP, Job, StepPlan, TransferOp
 from kvtier.testing.controls import MaskedLoads, masked_factory
 from kvtier.testing.corruption import flip_stored_byte
 from kvtier.testing.faults import FaultyEngine, faulty_factory
+from kvtier.testing.null_copy import NullCopyEngine
 from kvtier.transfer import EngineWrapper, TransferEngine, find_engine
 from kvtier.worker import OffloadWorker
 
-WRAPPERS = (RetryingLoads, FaultyEngine, MaskedLoads)
+WRAPPERS = (RetryingLoads, FaultyEngine, MaskedLoads, NullCopyEngine)
 CALLS = [name for name, fn in inspect.getmembers(TransferEngine, inspect.isfunction)
          if not name.startswith("_")]
 

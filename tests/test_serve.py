@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _harness_runs import run_module_025
 from kvtier.bench.serving import free_port
 from kvtier.cli import main
 from kvtier.config import ConfigError
@@ -211,3 +212,18 @@ def test_the_child_ends_when_the_wrapper_is_killed(sig: signal.Signals) -> None:
         wrapper.kill()
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_on_vllm_025_runs_its_openai_server_and_checks_with_its_parser() -> None:
+    """Issue 15: on 0.25.1 (no launchers package) ``kvtier serve`` names
+    ``vllm.entrypoints.openai.api_server``, 0.25.1's own parser accepts the command, and a
+    mistyped flag is refused by that parser in one line."""
+    out = run_module_025("vllm025_serve", timeout=300)
+    cmd = out["command"]
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert out["ok_code"] == 0 and "--kv-transfer-config" in cmd
+    assert out["server_file"].endswith("vllm-0.25.1/vllm/entrypoints/openai/api_server.py")
+    assert out["server_runs"]
+    assert out["bad_code"] == 2
+    assert out["bad_err"] == ["kvtier serve: vLLM has no flag --max-model-lenn; did you mean "
+                              "--max-model-len?"]

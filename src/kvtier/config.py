@@ -222,6 +222,26 @@ class KvtierConfig(BaseModel):
         "a load cannot fail once promised, hits are verified before they are promised. Off by "
         "default for now: its cost is not yet under 1% on either engine.",
     )
+    defer_cold_requests: bool = Field(
+        default=False,
+        description="Cache-aware admission: while HBM cannot hold a waiting request whose "
+        "prefix is neither in HBM nor in kvtier, and others run or load, let the requests "
+        "behind it go first (bounded: defer_max_steps, defer_max_ms). Never under vLLM's "
+        "priority policy. Off by default until measured.",
+    )
+    defer_max_steps: Count = Field(
+        default=64, ge=1, description="Engine steps a request may be deferred, at most."
+    )
+    defer_max_ms: Number = Field(
+        default=2000.0, gt=0,
+        description="Milliseconds a request may be deferred from its first deferral, at most.",
+    )
+    # a deferred request is looked up again every step: ~40 us for a 17k-token prompt on a
+    # 2-core CPU (the prompt slice ~32 us, kvtier's lookup ~7 us), so 8 cost ~0.3 ms a step
+    defer_max_requests: Count = Field(
+        default=8, ge=1,
+        description="Requests deferred at once, at most (each costs a lookup per step).",
+    )
     prepare_timeout_ms: Number = Field(
         default=1000.0, gt=0,
         description="Where hits are verified before they are promised (see verify_checksums): "

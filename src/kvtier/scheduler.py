@@ -693,6 +693,11 @@ class OffloadScheduler:
         self._reset_pending = True
         self.stats.resets += 1
 
+    def loads_in_flight(self) -> bool:
+        """Whether a load was planned and has not been reported yet."""
+        return bool(self._step_loads) or any(js.kind is JobKind.LOAD
+                                             for js in self.jobs.values())
+
     def has_pending_work(self) -> bool:
         return bool(self.jobs or self._step_loads or self._step_saves or self._step_verifies
                     or (self.tier is not None and self.tier.has_pending_work()))

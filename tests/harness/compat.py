@@ -71,8 +71,10 @@ def model_config() -> ModelConfig:
 
 def extra_config(sc: Scenario) -> dict[str, Any]:
     state = {"state_size": sc.state_size} if sc.state_size else {}
+    defer = {"defer_cold_requests": True, "defer_max_steps": 8} if sc.defer_cold else {}
     return {
         **state,
+        **defer,
         "dram_size": sc.dram_size,
         "gpu_staging_size": sc.dram_size,
         "chunk_tokens": sc.chunk_tokens,

@@ -114,6 +114,7 @@ class Scenario:
     groups: tuple[str, ...] = ("full",)  # a value of GROUP_SETS
     sliding_window: int = 0  # tokens, for "swa" groups
     state_size: str | None = None  # kvtier's state_size (None: its default)
+    defer_cold: bool = False  # kvtier's defer_cold_requests (cache-aware admission)
 
     @property
     def group_set(self) -> str:
@@ -130,7 +131,8 @@ class Scenario:
                 f"load_q={self.max_pending_loads} "
                 f"{'v2 ' if self.v2_runner else ''}{self.policy}/"
                 f"{self.admission}/{self.sched_policy} reqs={len(self.requests)} "
-                f"resets={self.resets} faults={self.faults.kinds()} tags={self.tags}")
+                f"resets={self.resets} faults={self.faults.kinds()} tags={self.tags}"
+                + (" defer_cold" if self.defer_cold else ""))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

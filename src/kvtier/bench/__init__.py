@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "serving": "kvtier.bench.serving",
     "planner": "kvtier.bench.planner",
     "transfer": "kvtier.bench.transfer",
+    "offline": "kvtier.bench.offline",
 }
 
 DEFAULT = "serving"

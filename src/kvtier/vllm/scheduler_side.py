@@ -27,6 +27,7 @@ from kvtier.scheduler import (
 )
 from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
+from kvtier.vllm.cold_lookups import ColdLookups
 from kvtier.vllm.counters import scheduler_counts
 from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
 from kvtier.vllm.groups import EngineGroups
@@ -64,8 +65,15 @@ class SchedulerSide:
         # (kvtier.vllm.hybrid_hits); None elsewhere
         self._block_pool: Any = None
         self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
+        # cache-aware admission (defer_cold_requests): None when off or kvtier is off
+        self.cold: ColdLookups | None = None
+        if setup.config.defer_cold_requests and setup.groups is not None:
+            self.cold = ColdLookups(setup.config, setup.priority_policy,
+                                    [g.block_size for g in setup.groups.specs])
 
     def bind_block_pool(self, pool: Any) -> None:
+        if self.cold is not None:
+            self.cold.bind_pool(pool)
         groups = self.setup.groups
         if (groups is not None and compat.local_hit_is_longest_group_hit()
                 and any(s.kind is GroupKind.STATE for s in groups.specs)):
@@ -96,6 +104,10 @@ class SchedulerSide:
         n, load = self._matched_tokens(request, num_computed_tokens)
         if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a local hit with its state
+        if (n == 0 and self.cold is not None and self.scheduler is not None
+                and not compat.skips_prefix_cache(request)
+                and self.cold.defer(request, num_computed_tokens, 0)):
+            return None, False  # cold while HBM is short: the warm ones behind it go first
         return n, load
 
     def _attention_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
@@ -169,6 +181,8 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self.requests.pop(request.request_id, None)
         self._blind.discard(request.request_id)
+        if self.cold is not None:
+            self.cold.forget(request.request_id)
         if self.scheduler is not None:
             self.scheduler.request_finished(request.request_id)
         # Never hold blocks: saves in flight are fenced when their blocks are reallocated.
@@ -194,7 +208,10 @@ class SchedulerSide:
         self._blind.difference_update(nr.req_id for nr in step.new)  # a full table
         self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
         step.scheduled = self._scheduled_tokens(scheduler_output)
-        return KvtierMetadata(sched.schedule_step(step), geometry_known=True)
+        plan = sched.schedule_step(step)
+        if self.cold is not None:
+            self.cold.step_planned(scheduler_output, sched.loads_in_flight())
+        return KvtierMetadata(plan, geometry_known=True)
 
     def _scheduled_tokens(self, scheduler_output: Any) -> list[ScheduledTokens]:
         """What each computing request's saves are planned from (draft tokens left out);

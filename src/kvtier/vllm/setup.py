@@ -33,6 +33,7 @@ class ConnectorSetup:
     kv_cache_dtype: str
     model_name: str
     draft_lookahead: int = 0  # 1 with EAGLE/MTP drafts: a chunk's key covers the next token
+    priority_policy: bool = False  # vLLM's scheduling policy is "priority" (not FCFS)
 
 
 def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
@@ -66,6 +67,8 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         model_name=str(vllm_config.model_config.model),
         draft_lookahead=draft_lookahead(vllm_config),
+        priority_policy=str(getattr(getattr(vllm_config, "scheduler_config", None), "policy",
+                                    "fcfs")).lower().endswith("priority"),
     )
 
 
