@@ -67,7 +67,9 @@ def _free_port() -> int:
 class RedisProcess:
     """A private redis-server this test may kill, restart, stop (SIGSTOP) and continue."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, tls: tuple[Path, Path, Path] | None = None
+                 ) -> None:
+        """``tls``: (CA, certificate, key): the server speaks TLS only, on ``port``."""
         binary = shutil.which("redis-server")
         if binary is None:
             _absent("redis-server is not installed")
@@ -75,15 +77,23 @@ class RedisProcess:
         self.dir = tmp
         self.port = _free_port()
         self.args = args
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
+        ports = ["--port", str(self.port)]
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        if self.tls is not None:
+            ca, cert, key = (str(p) for p in self.tls)
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert,
+                     "--tls-key-file", key, "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+            client = redis.Redis(host="localhost", port=self.port, socket_timeout=1, ssl=True,
+                                 ssl_ca_certs=ca)
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, *ports, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.dir), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1)
         for _ in range(100):
             try:
                 client.ping()

@@ -34,7 +34,7 @@ def connect(config: KvtierConfig) -> Any:
                   ssl_certfile=config.remote_tls_cert_file,
                   ssl_keyfile=config.remote_tls_key_file)
     if config.remote_cluster:
-        return RedisCluster(**kw, cluster_error_retry_attempts=0)
+        return RedisCluster(**kw)
     return redis.Redis(**kw, db=int((url.path or "/0").strip("/") or 0))
 
 
