@@ -189,3 +189,21 @@ def test_a_runner_on_a_stopped_server_never_blocks_its_caller(tmp_path: Path) ->
         runner.close()
     finally:
         server.close()
+
+
+def test_in_ci_a_missing_server_fails_the_remote_tests_instead_of_skipping(
+        tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_TEST_REDIS")}
+    here = Path(__file__)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+            str(here.parents[1]), f"{here}::test_a_chunk_round_trips_whole_in_parts"]
+    skipped = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert skipped.returncode == 0 and "4 skipped" in skipped.stdout, skipped.stdout[-2000:]
+    required = subprocess.run(argv, env={**env, "KVTIER_TEST_REDIS_REQUIRED": "1"},
+                              capture_output=True, text=True, timeout=120)
+    assert required.returncode == 1 and "4 errors" in required.stdout, required.stdout[-2000:]
+    assert "the Redis servers CI started are missing" in required.stdout
