@@ -15,6 +15,7 @@ import redis
 from _disk_loop import CHUNK, prompt
 from _redis import RedisProcess, standalone, unique_prefix
 from _remote_loop import RemoteLoop, remote_config
+from kvtier.vllm.counters import scheduler_counts
 
 
 @pytest.fixture
@@ -38,6 +39,10 @@ def test_a_prefix_one_engine_computed_is_restored_by_another(shared: tuple[int, 
     assert (n, same) == (3 * CHUNK, True) and deferred >= 2  # ask the server, then promote
     t = second.tier
     assert t.remote.discovered == 3 and t.stats.promotions == 3 and t.stats.hits == 1
+    counts = scheduler_counts(second.sched)  # what /metrics shows
+    assert (counts["remote_hits"], counts["remote_hit_tokens"], counts["remote_discovered"],
+            counts["remote_promoted"]) == (1, 3 * CHUNK, 3, 3)
+    assert scheduler_counts(first.sched)["remote_written_through"] == 3
     second.settle()
     second.sched.check_drained()
     first.close()
