@@ -15,6 +15,7 @@ import redis
 from _disk_loop import CHUNK, prompt
 from _redis import RedisProcess, standalone, unique_prefix
 from _remote_loop import RemoteLoop, remote_config
+from kvtier.testing.slow_disk import SlowChunkStore
 from kvtier.vllm.counters import scheduler_counts
 
 
@@ -99,3 +100,26 @@ def test_a_dead_then_stopped_server_never_stalls_a_step_and_recovers(tmp_path: P
             loop.close()
     finally:
         server.close()
+
+
+def test_the_cost_model_declines_a_slow_remote_tier_and_takes_a_fast_one(
+        shared: tuple[int, str]) -> None:
+    """Injected latency (kvtier.testing.slow_disk's delaying wrapper around the Redis store,
+    probe included): restoring through it would be slower than recomputing."""
+    port, prefix = shared
+    cfg = remote_config(port, prefix, cost_model=True, prefill_seconds_per_token=1e-5,
+                        link_gbps=100.0, step_seconds=0.0, remote_timeout_ms=1000)
+    writer = RemoteLoop(cfg)
+    writer.prefill("a", prompt(3))
+    writer.settle()
+    writer.close()
+    slow = RemoteLoop(cfg, wrap=lambda s: SlowChunkStore(s, gbps=1.0, latency_s=0.05))
+    assert slow.tier.tier.cost.latency_s >= 0.05  # the probe measured the delay
+    n, _, same = slow.restore("slow", prompt(3))
+    assert (n, same) == (0, True) and slow.tier.stats.declined_slower == 1
+    assert slow.tier.remote.discovered == 3  # found, and declined: 3 chunks take 0.15 s
+    slow.close()
+    fast = RemoteLoop(cfg.model_copy(update={"prefill_seconds_per_token": 1e-3}))
+    n, _, same = fast.restore("fast", prompt(3))
+    assert (n, same) == (3 * CHUNK, True) and fast.tier.stats.declined_slower == 0
+    fast.close()

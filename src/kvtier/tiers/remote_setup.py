@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.config import ConfigError, KvtierConfig
@@ -21,7 +22,7 @@ from kvtier.tiers.remote_client import connect, describe
 from kvtier.tiers.remote_directory import RemoteDirectory
 from kvtier.tiers.remote_schedule import RemoteTierScheduler
 from kvtier.tiers.schedule import LowerTier
-from kvtier.tiers.seam import TierPlan
+from kvtier.tiers.seam import ChunkStore, TierPlan
 
 logger = get_logger("tiers")
 
@@ -62,9 +63,11 @@ class RemoteTier:
 
 
 def open_remote_tier(config: KvtierConfig, geometry: Geometry, namespace: bytes,
-                     slab_layout: SlabLayout, num_shards: int) -> RemoteTier:
+                     slab_layout: SlabLayout, num_shards: int,
+                     wrap: Callable[[ChunkStore], ChunkStore] | None = None) -> RemoteTier:
     """The remote tier of this engine. A server that does not answer is no start-up error
-    (the breaker turns it into misses until it does); a model with non-attention groups is."""
+    (the breaker turns it into misses until it does); a model with non-attention groups is.
+    ``wrap`` (tests: a slowed store) wraps the store the start-up probe measures."""
     assert config.remote_url is not None
     others = [g.kind.value for g in geometry.groups if g.kind is not GroupKind.FULL]
     if others:
@@ -74,7 +77,7 @@ def open_remote_tier(config: KvtierConfig, geometry: Geometry, namespace: bytes,
     chunk_bytes = [slab_layout.classes[c].slot_bytes for c in geometry.slot_classes]
     capacity = max(1, min(MAX_CATALOG_CHUNKS,
                           config.remote_size // (sum(chunk_bytes) * num_shards)))
-    cost = _probe(config, chunk_bytes[0])
+    cost = _probe(config, chunk_bytes[0], wrap)
     directory = RemoteDirectory([remote_store(config, namespace, s) for s in range(num_shards)])
     make = functools.partial(RemoteTierScheduler, directory=directory)
     lower = LowerTier("remote", config.remote_key_prefix, namespace,
@@ -86,9 +89,12 @@ def open_remote_tier(config: KvtierConfig, geometry: Geometry, namespace: bytes,
     return RemoteTier(lower, directory)
 
 
-def _probe(config: KvtierConfig, chunk_bytes: int) -> TierCost:
+def _probe(config: KvtierConfig, chunk_bytes: int,
+           wrap: Callable[[ChunkStore], ChunkStore] | None) -> TierCost:
     # under a namespace of its own: engines probing one server at once never meet
-    store = remote_store(config, os.urandom(16), 0)
+    store: ChunkStore = remote_store(config, os.urandom(16), 0)
+    if wrap is not None:
+        store = wrap(store)
     try:
         return probe(store, chunk_bytes)
     except Exception as e:
