@@ -17,7 +17,7 @@ from kvtier.tiers.seam import ChunkStore, TierPlan
 
 def remote_config(port: int, prefix: str, **kw: object) -> KvtierConfig:
     base: dict[str, object] = {"dram_size": "128KiB", "remote_url": f"redis://127.0.0.1:{port}",
-                               "remote_key_prefix": prefix, "remote_part_bytes": 4096, "remote_size": "4MiB",
+                               "remote_key_prefix": prefix, "remote_part_size": 4096, "remote_size": "4MiB",
                                "cost_model": False, "remote_timeout_ms": 200}
     return KvtierConfig.model_validate({**base, **kw})
 

@@ -301,7 +301,7 @@ class KvtierConfig(BaseModel):
         description="Longest one remote call may take (connect, read or write) before it "
         "fails: a miss or a dropped write, counted by the circuit breaker.",
     )
-    remote_part_bytes: PositiveByteSize = Field(
+    remote_part_size: PositiveByteSize = Field(
         default=2**20, description="Chunks are stored in values of at most this many bytes."
     )
     remote_ttl_s: Count = Field(

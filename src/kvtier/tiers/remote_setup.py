@@ -39,7 +39,7 @@ def remote_store(config: KvtierConfig, namespace: bytes, shard: int) -> RedisChu
     """One shard's store: its own client and breaker (one per process and shard)."""
     return RedisChunkStore(
         connect(config), RemoteKeys(config.remote_key_prefix, namespace), shard,
-        config.remote_part_bytes,
+        config.remote_part_size,
         CircuitBreaker(config.remote_breaker_failures, config.remote_breaker_cooldown_ms / 1e3),
         ttl_s=config.remote_ttl_s)
 
