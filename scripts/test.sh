@@ -8,4 +8,11 @@ bash scripts/install.sh
 . .venv/bin/activate
 bash scripts/fetch_vllm025.sh
 ruff check src tests tools
+# Real Redis servers for the remote tier's tests (a standalone one and a three-node cluster),
+# stopped when this script exits; CI (.ci/run) requires them, elsewhere they start if they can.
+if [ "${KVTIER_TEST_REDIS_REQUIRED:-0}" = 1 ] || command -v redis-server >/dev/null; then
+  redis_dir=$(mktemp -d)
+  trap 'bash scripts/redis_servers.sh stop "$redis_dir"; rm -rf "$redis_dir"' EXIT
+  eval "$(bash scripts/redis_servers.sh start "$redis_dir")"
+fi
 python -m pytest "$@"

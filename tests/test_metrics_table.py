@@ -34,6 +34,11 @@ STATS_KEYS = {
     "disk_deferrals_expired", "disk_declined_slower", "disk_bytes_read", "disk_bytes_written",
     "disk_read_seconds", "disk_write_seconds", "gauge_disk_chunks_stored",
     "gauge_disk_chunks_total",
+    # the remote tier's (issue 17)
+    "remote_hits", "remote_hit_tokens", "remote_written_through",
+    "remote_write_through_dropped", "remote_discovered", "remote_promoted", "remote_queries",
+    "remote_queries_failed", "remote_queries_expired", "remote_bytes_read",
+    "remote_bytes_written", "remote_checksum_failures", "gauge_remote_chunks_known",
 }
 METRIC_NAMES = {
     "lookups", "hits", "hit_tokens", "restored_tokens", "loads", "loads_declined", "saves",
@@ -44,6 +49,8 @@ METRIC_NAMES = {
     "disk_hits", "disk_demotions", "disk_promotions", "disk_checksum_failures", "disk_full",
     "disk_deferrals", "disk_bytes", "disk_seconds", "disk_gbps", "disk_chunks_stored",
     "disk_chunks_total",
+    "remote_hits", "remote_hit_tokens", "remote_chunks", "remote_lookups", "remote_bytes",
+    "remote_checksum_failures", "remote_chunks_known",  # the remote tier's (issue 17)
 }
 
 

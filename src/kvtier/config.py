@@ -31,7 +31,15 @@ from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 
 from kvtier.log import get_logger
 
@@ -39,7 +47,9 @@ ENV_PREFIX = "KVTIER_"
 DICT_PREFIX = "kvtier."
 # KVTIER_ variables that are not settings: switches of scripts/test.sh, and the file a
 # kvtier-aware parent hands its engine processes for start-up failures (kvtier.vllm.startup).
-NON_SETTING_ENV = frozenset({"KVTIER_SOAK", "KVTIER_STARTUP_REPORT"})
+# KVTIER_TEST_REDIS*: the Redis servers scripts/test.sh started for the tests (tests/_redis.py)
+NON_SETTING_ENV = frozenset({"KVTIER_SOAK", "KVTIER_STARTUP_REPORT", "KVTIER_TEST_REDIS",
+                             "KVTIER_TEST_REDIS_CLUSTER", "KVTIER_TEST_REDIS_REQUIRED"})
 DEFAULT_DRAM_SIZE = 4 * 2**30
 DEFAULT_STAGING_SIZE = 256 * 2**20
 
@@ -274,6 +284,57 @@ class KvtierConfig(BaseModel):
         description="Milliseconds a lookup may wait for chunks read from disk into DRAM; past "
         "either bound the request goes on with what DRAM holds.",
     )
+    # The remote tier (kvtier.tiers.remote): a Redis or Valkey shared by several engines.
+    remote_url: str | None = Field(
+        default=None,
+        description="redis://host:port or rediss://host:port (TLS) of the shared remote tier "
+        "below DRAM; no credentials in it (remote_username, remote_password). Unset: none.",
+    )
+    remote_cluster: bool = Field(
+        default=False, description="The remote_url is one node of a Redis Cluster."
+    )
+    remote_username: str | None = Field(
+        default=None, description="ACL user of the remote tier (AUTH username password)."
+    )
+    remote_password: SecretStr | None = Field(
+        default=None, description="Password of the remote tier (never logged)."
+    )
+    remote_tls_ca_file: str | None = Field(
+        default=None, description="CA bundle that verifies the remote tier's TLS certificate."
+    )
+    remote_tls_cert_file: str | None = Field(
+        default=None, description="Client certificate for TLS to the remote tier (mutual TLS)."
+    )
+    remote_tls_key_file: str | None = Field(
+        default=None, description="Key of remote_tls_cert_file."
+    )
+    remote_key_prefix: str = Field(
+        default="kvtier", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="First part of every remote key ('<prefix>:...'): what an ACL key pattern "
+        "('~<prefix>:*') confines a deployment's user to.",
+    )
+    remote_size: PositiveByteSize = Field(
+        default=2**40, description="Bytes of the remote tier this engine counts on holding."
+    )
+    remote_timeout_ms: Number = Field(
+        default=200.0, gt=0,
+        description="Longest one remote call may take (connect, read or write) before it "
+        "fails: a miss or a dropped write, counted by the circuit breaker.",
+    )
+    remote_part_size: PositiveByteSize = Field(
+        default=2**20, description="Chunks are stored in values of at most this many bytes."
+    )
+    remote_ttl_s: Count = Field(
+        default=0, ge=0, description="Seconds a remote chunk lives (0: until the server evicts)."
+    )
+    remote_breaker_failures: Count = Field(
+        default=3, ge=1,
+        description="Consecutive failed remote calls that open the circuit breaker (then "
+        "every call is a miss or a dropped write, at once, until a probe succeeds).",
+    )
+    remote_breaker_cooldown_ms: Number = Field(
+        default=1000.0, gt=0, description="Open-breaker time before the next probe call."
+    )
     model_revision: str = Field(
         default="", description="Weight revision; part of the key namespace."
     )
@@ -314,6 +375,8 @@ class KvtierConfig(BaseModel):
             raise ValueError(
                 "disk_path and disk_size go together: set both for a disk tier, or neither"
             )
+        if self.remote_url is not None:
+            _check_remote(self)
         return self
 
     @classmethod
@@ -400,3 +463,26 @@ def _explain(err: ValidationError, source: Mapping[str, str]) -> str:
         got = f" (got {e['input']!r})" if field else ""
         lines.append(f"kvtier {where}: {msg}{got}")
     return "; ".join(lines)
+
+
+def _check_remote(c: KvtierConfig) -> None:
+    """The remote tier's settings that only make sense together (message never names the
+    password)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(c.remote_url or "")
+    if url.scheme not in ("redis", "rediss") or not url.hostname:
+        raise ValueError("remote_url is redis://host:port or rediss://host:port")
+    if url.username or url.password:
+        raise ValueError("remote_url carries no credentials: set remote_username and "
+                         "remote_password instead (they are never logged)")
+    tls = [c.remote_tls_ca_file, c.remote_tls_cert_file, c.remote_tls_key_file]
+    if url.scheme == "redis" and any(tls):
+        raise ValueError("remote_tls_* settings need a rediss:// remote_url")
+    if (c.remote_tls_cert_file is None) != (c.remote_tls_key_file is None):
+        raise ValueError("remote_tls_cert_file and remote_tls_key_file go together")
+    if c.remote_username is not None and c.remote_password is None:
+        raise ValueError("remote_username needs remote_password")
+    if c.disk_path is not None:
+        raise ValueError("the remote tier below the disk tier is not supported yet: set "
+                         "remote_url or disk_path")

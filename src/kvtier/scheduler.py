@@ -218,7 +218,7 @@ class OffloadScheduler:
         self._pinned_chunks = 0
         self.stats = SchedulerStats()
         # a lower tier (the disk) below the slab: demotions, promotions (kvtier.tiers.schedule)
-        self.tier = None if lower is None else TierScheduler(
+        self.tier = None if lower is None else (lower.make_scheduler or TierScheduler)(
             lower, self.index, self.allocator, self.slot_class, geometry, config,
             self.estimates, world_size, self._job_ids)
 
@@ -629,8 +629,8 @@ class OffloadScheduler:
             for e in js.entries:
                 if js.failed:
                     self.index.abort(e)
-                else:
-                    self.index.commit(e)
+                elif self.index.commit(e) and self.tier is not None:
+                    self.tier.note_saved(e)
             if js.failed:
                 self.stats.saves_failed += 1
             else:

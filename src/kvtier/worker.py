@@ -49,6 +49,15 @@ def disk_store(plan: TierPlan, shard: int) -> ChunkStore:
     return DiskChunkStore(Path(plan.root), shard, plan.namespace)
 
 
+def default_tier_store(config: KvtierConfig) -> TierStoreFactory:
+    """The remote tier's stores when ``remote_url`` is set, else the disk's."""
+    if config.remote_url is not None:
+        from kvtier.tiers.remote_setup import worker_store_factory  # imports redis
+
+        return worker_store_factory(config)
+    return disk_store
+
+
 @dataclass
 class StepResult:
     finished_loads: set[str] = field(default_factory=set)  # request ids, success or failure
@@ -85,7 +94,7 @@ class OffloadWorker:
         shared: SharedSlab | None = None,
         pinner: Pinner | None = None,
         engine_factory: Callable[[ChunkMover], TransferEngine] | None = None,
-        tier_store: TierStoreFactory = disk_store,
+        tier_store: TierStoreFactory | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -117,7 +126,7 @@ class OffloadWorker:
         self.total_bytes_saved = 0
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
-        self._tier_store = tier_store
+        self._tier_store = tier_store or default_tier_store(config)
         self.tier: TierRunner | None = None  # made by the first plan that has tier jobs
         self._shard = shard
 
@@ -153,6 +162,7 @@ class OffloadWorker:
                 self._tier_store(plan, self._shard),
                 lambda g, slot: self.slab.view(slot_class[g], slot, self._shard),
                 moves=self.writes, max_jobs=self.config.disk_max_pending_chunks + 64,
+                name="disk" if self.config.remote_url is None else "remote",
                 on_promoted=self._promoted if self.mover.verify else None)
         for job in plan.jobs:
             self.tier.submit(job)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import KvtierConfig
@@ -62,6 +62,8 @@ class LowerTier:
     catalog: TierCatalog
     cost: TierCost
     chunk_bytes: Sequence[int]
+    # builds the scheduler of this tier (same arguments as TierScheduler); None: TierScheduler
+    make_scheduler: Callable[..., TierScheduler] | None = None
 
 
 @dataclass
@@ -274,6 +276,10 @@ class TierScheduler:
 
     def forget_request(self, req_id: str) -> None:
         self.deferrals.pop(req_id, None)
+
+    def note_saved(self, entry: Entry) -> None:
+        """A save committed ``entry`` to DRAM (a write-through tier copies it; this one waits
+        for eviction)."""
 
     # -- the step and completions -----------------------------------------------------------
     def take_plan(self, saves: int = 0) -> TierPlan | None:

@@ -338,6 +338,9 @@ def worker_observations(report: Any) -> dict[str, list[float]]:
     return out
 
 
+from kvtier.vllm.remote_metrics import REMOTE_METRICS  # noqa: E402 - its rows use the above
+
+METRICS += REMOTE_METRICS
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 BY_KEY: dict[str, tuple[Metric, Series]] = {
     s.key: (m, s) for m in METRICS if not m.reasons for s in m.series if s.key}

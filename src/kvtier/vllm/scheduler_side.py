@@ -53,6 +53,7 @@ class SchedulerSide:
         self.setup = setup
         self.scheduler: OffloadScheduler | None = None  # made at the handshake
         self.disk: DiskTier | None = None  # the disk tier, if disk_path is set
+        self.remote: Any = None  # the remote tier (kvtier.tiers.remote_setup), if remote_url
         self.requests: dict[str, Any] = {}  # vLLM's request objects, by id
         self._deferrals = 0
         self._last_output = time.monotonic()
@@ -275,12 +276,19 @@ class SchedulerSide:
         if setup.config.disk_path is not None:
             with startup.failures():  # disk_path, disk_size, the lock, the index rebuild
                 self.disk = open_disk_tier(setup.config, geometry, ns, slab_layout, num_shards)
+        if setup.config.remote_url is not None:
+            from kvtier.tiers.remote_setup import open_remote_tier  # imports redis
+
+            with startup.failures():
+                self.remote = open_remote_tier(setup.config, geometry, ns, slab_layout,
+                                               num_shards)
+        lower = self.disk.lower if self.disk else self.remote.lower if self.remote else None
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
                                           prepare_hits=prepares_hits(setup),
                                           draft_lookahead=setup.draft_lookahead,
-                                          lower=self.disk.lower if self.disk else None)
+                                          lower=lower)
         for req in list(self.requests.values()):
             self._ensure_request(req)
         logger.info("kvtier: %d chunk slots per group of %d tokens, %s%s",
@@ -306,6 +314,8 @@ class SchedulerSide:
         """Release the disk tier's directory lock (the next engine may use it)."""
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def reset_cache(self) -> bool | None:
         if self.scheduler is not None:
