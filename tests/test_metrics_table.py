@@ -27,6 +27,7 @@ STATS_KEYS = {
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
     "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
     "prepares", "prepare_deferrals",
+    "prepare_timeouts",  # one bound for verification and disk promotion (issue 16)
     # the disk tier's (issue 16)
     "disk_hits", "disk_hit_tokens", "disk_demotions", "disk_demotions_dropped",
     "disk_evicted_already_stored", "disk_demotion_jobs_failed", "disk_promotions",
