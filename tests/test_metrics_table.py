@@ -35,6 +35,7 @@ STATS_KEYS = {
     "disk_deferrals_expired", "disk_declined_slower", "disk_bytes_read", "disk_bytes_written",
     "disk_read_seconds", "disk_write_seconds", "gauge_disk_chunks_stored",
     "gauge_disk_chunks_total",
+    "disk_demotions_corrupt",  # a chunk corrupted in DRAM is not demoted (issue 16)
 }
 METRIC_NAMES = {
     "lookups", "hits", "hit_tokens", "restored_tokens", "loads", "loads_declined", "saves",

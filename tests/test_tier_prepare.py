@@ -75,3 +75,27 @@ def test_a_flip_in_dram_found_while_preparing_a_disk_hit_shortens_it(tmp_path: P
     loop.settle()
     s.check_drained()
     loop.close()
+
+
+def test_a_chunk_flipped_in_dram_is_never_demoted_as_good(tmp_path: Path) -> None:
+    loop = Loop(config(tmp_path, verify_checksums=True))
+    a = prompt(0)
+    loop.prefill("a", a)
+    loop.settle()
+    s, t = loop.sched, loop.sched.tier
+    assert t is not None
+    cls, slot = slot_of_chunk(s, a, 1)
+    flip_stored_byte(loop.ranks[0].worker, cls, slot, offset=33)
+    for i in range(1, 8):  # DRAM runs low: a's chunks are demoted (chunk 1 checked first)
+        loop.prefill(f"p{i}", prompt(i))
+        loop.settle()
+    keys = loop.keys(a)
+    assert t.stats.demotions_corrupt == 1
+    assert loop.ranks[0].worker.tier.corrupt_demotions == 1  # type: ignore[union-attr]
+    assert t.catalog.index.match(0, keys) == 1  # chunk 0 only: 1 and 2 never reached disk
+    assert s.index.match(0, keys) == 0  # and DRAM dropped the bad chunk with its child
+    n, _, same = loop.restore("again", a)
+    assert same and n == CHUNK  # chunk 0 from disk; the flipped byte is never restored
+    loop.settle()
+    s.check_drained()
+    loop.close()

@@ -19,6 +19,9 @@ lookup waits for a promotion.
   promotion still lands, for later requests). A request promotes at most once per lifecycle.
 - Chunks whose tier copy did not verify are forgotten by the tier (with their descendants),
   counted, and logged once each by the worker; their DRAM slots are released.
+- With ``verify_checksums`` a demotion first checks the slot against the checksums its save
+  stored: a chunk corrupted in DRAM is not written (nor its descendants in the job), is
+  dropped from DRAM with what hangs below it, counted (``demotions_corrupt``) and logged.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class TierStats:
     demotion_jobs_failed: int = 0
     demotions_dropped: int = 0  # chunks that left DRAM uncopied (no room or budget)
     evicted_already_stored: int = 0  # left DRAM with their copy already on the tier
+    demotions_corrupt: int = 0  # not demoted: the DRAM copy did not verify (dropped from DRAM)
     promotions: int = 0  # chunks committed to DRAM from the tier
     promotion_jobs_failed: int = 0
     checksum_failures: int = 0  # chunks whose tier copy did not verify (all ranks)
@@ -298,8 +302,12 @@ class TierScheduler:
                 self.stats.demotions += 1
         if js.failed:
             self.stats.demotion_jobs_failed += 1
-        self.dram.unpin(js.dram_entries)
         assert js.leaving is not None
+        chain = [*js.dram_entries, js.leaving]  # the job's ops, in order
+        for i in sorted(js.corrupt):  # bad bytes in DRAM: forget them and what hangs below
+            self.dram.discard(chain[i])
+            self.stats.demotions_corrupt += 1
+        self.dram.unpin(js.dram_entries)
         self._leaving[js.leaving.group] -= 1
         self.dram.end_leave(js.leaving)
 

@@ -219,12 +219,16 @@ METRICS: tuple[Metric, ...] = (
                Series("disk_hit_tokens", "tokens", _tier(lambda t: t.hit_tokens)))),
     Metric("disk_demotions", COUNTER, SCHEDULER,
            "Chunks leaving DRAM, by outcome: committed to disk, dropped (no room or budget: "
-           "lost to the tier), already on disk, or in a failed demotion job.", label="outcome",
+           "lost to the tier), already on disk, dropped because their DRAM bytes did not "
+           "verify (verify_checksums: never written as good), or in a failed demotion job.",
+           label="outcome",
            series=(Series("disk_demotions", "committed", _tier(lambda t: t.demotions)),
                    Series("disk_demotions_dropped", "dropped",
                           _tier(lambda t: t.demotions_dropped)),
                    Series("disk_evicted_already_stored", "already_stored",
                           _tier(lambda t: t.evicted_already_stored)),
+                   Series("disk_demotions_corrupt", "corrupt_in_dram",
+                          _tier(lambda t: t.demotions_corrupt)),
                    Series("disk_demotion_jobs_failed", "job_failed",
                           _tier(lambda t: t.demotion_jobs_failed)))),
     Metric("disk_promotions", COUNTER, SCHEDULER,
