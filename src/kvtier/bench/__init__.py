@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "serving": "kvtier.bench.serving",
     "planner": "kvtier.bench.planner",
     "transfer": "kvtier.bench.transfer",
+    "disk": "kvtier.bench.disk",
 }
 
 DEFAULT = "serving"

@@ -2,7 +2,7 @@
 visible by an atomic rename.
 
 Why files and not LMDB (both measured on the CI machine's ext4 disk, 2 MiB chunks, page cache
-bypassed on reads; ``tools/bench_disk.py``): O_DIRECT files wrote 1.3 GB/s and read 0.9-1.2
+bypassed on reads; ``kvtier bench disk``): O_DIRECT files wrote 1.3 GB/s and read 0.9-1.2
 GB/s, LMDB 0.12-0.22 GB/s and 0.07-0.56 GB/s (every value is copied through its memory map
 and the page cache, which O_DIRECT skips; one writer lock per environment would also serialise
 the TP ranks). A file per chunk makes deletion and eviction one ``unlink``, and its name
@@ -154,7 +154,7 @@ class DiskChunkStore(ChunkStore):
         buf, t = self._staging(total)
         body = t[PAGE : total]
         # NumPy copies: torch's copy_ of a buffer this size costs several times more under a
-        # loaded CPU (its intra-op threads), measured with tools/bench_disk.py
+        # loaded CPU (its intra-op threads), measured with kvtier bench disk
         np.copyto(body[:n].numpy(), data.numpy())
         body[n:].numpy().fill(0)
         seed = chunk_seed(key, group, self.shard)
