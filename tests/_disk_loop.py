@@ -8,7 +8,8 @@ other blocks gives the same bytes, so a restore is checked bit for bit against t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -69,7 +70,8 @@ class Loop:
 
     def __init__(self, cfg: KvtierConfig, world: int = 1,
                  tier_store: TierStoreFactory = disk_store, open_store: object = None,
-                 kv_cache_dtype: str = "float32") -> None:
+                 kv_cache_dtype: str = "float32", prepare_hits: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.ranks = [Rank(cfg, r, world, tier_store) for r in range(world)]
         w = self.ranks[0].worker
@@ -83,7 +85,7 @@ class Loop:
                                        store=open_store)  # type: ignore[arg-type]
             lower = self.disk.lower
         self.sched = OffloadScheduler(cfg, w.geometry, ns, w.slab_layout, world_size=world,
-                                      lower=lower)
+                                      lower=lower, prepare_hits=prepare_hits, clock=clock)
         self.reports: list[WorkerReport] = []
         self._next_block = 0
 

@@ -181,3 +181,24 @@ def test_rounds_give_each_ratio_its_median_and_range() -> None:
     assert first.endswith("(range the same .. 2.0x higher; rounds the same, 2.0x higher, "
                           "2.0x higher)  <- LOSS")
     assert round_ratio_lines([rounds[0][:1]]) == []
+
+
+def test_per_tier_hits_bytes_and_gbps_come_from_the_kvtier_series() -> None:
+    from kvtier.bench import scrape
+    from kvtier.bench.metrics import tier_stats
+
+    delta = scrape.parse(
+        'vllm:kvtier_hits_total 5\n'
+        'vllm:kvtier_disk_hits_total{unit="loads"} 2\n'
+        'vllm:kvtier_disk_hits_total{unit="tokens"} 200\n'
+        'vllm:kvtier_transfer_bytes_total{direction="load"} 4e9\n'
+        'vllm:kvtier_transfer_seconds_total{direction="load"} 2\n'
+        'vllm:kvtier_disk_bytes_total{direction="read"} 1e9\n'
+        'vllm:kvtier_disk_bytes_total{direction="write"} 3e9\n'
+        'vllm:kvtier_disk_seconds_total{direction="read"} 0.5\n'
+        'vllm:kvtier_disk_promotions_total{outcome="committed"} 7\n')
+    tiers = tier_stats(delta)
+    assert tiers["dram"] == {"hits": 3.0, "bytes": 4e9, "gbps": 2.0}
+    assert tiers["disk"]["hits"] == 2.0 and tiers["disk"]["gbps"] == 2.0
+    assert tiers["disk"]["bytes_written"] == 3e9 and tiers["disk"]["promotions"] == 7.0
+    assert "disk" not in tier_stats(scrape.parse('vllm:kvtier_hits_total 1\n'))

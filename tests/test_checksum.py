@@ -3,6 +3,8 @@ the torch reference (CPU and CUDA), per-block sums against the whole, and pinned
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -288,3 +290,10 @@ def test_the_seed_of_an_op_is_the_chunk_seed_in_two_steps() -> None:
                 assert s == C.chunk_seed(key, group, shard)
                 seeds.add(s)
     assert len(seeds) == 4 * 3 * 2
+
+
+def test_piece_sums_add_up_to_the_checksum() -> None:
+    buf = torch.randint(0, 256, (3 * 2**20 + 4096,), dtype=torch.uint8)
+    cuts = [0, 4096, 2**20 + 4096, 3 * 2**20, buf.numel()]
+    pieces = [C.piece_sum(buf[a:b], a // 8) for a, b in itertools.pairwise(cuts)]
+    assert (C.seal_of(11, 0) + sum(pieces)) & C.MASK64 == C.checksum(buf, 11)

@@ -27,6 +27,7 @@ STATS_KEYS = {
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
     "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
     "prepares", "prepare_deferrals",
+    "prepare_timeouts",  # one bound for verification and disk promotion (issue 16)
     # the disk tier's (issue 16)
     "disk_hits", "disk_hit_tokens", "disk_demotions", "disk_demotions_dropped",
     "disk_evicted_already_stored", "disk_demotion_jobs_failed", "disk_promotions",
@@ -34,6 +35,7 @@ STATS_KEYS = {
     "disk_deferrals_expired", "disk_declined_slower", "disk_bytes_read", "disk_bytes_written",
     "disk_read_seconds", "disk_write_seconds", "gauge_disk_chunks_stored",
     "gauge_disk_chunks_total",
+    "disk_demotions_corrupt",  # a chunk corrupted in DRAM is not demoted (issue 16)
     # the remote tier's (issue 17)
     "remote_hits", "remote_hit_tokens", "remote_written_through",
     "remote_write_through_dropped", "remote_discovered", "remote_promoted", "remote_queries",

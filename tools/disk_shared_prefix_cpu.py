@@ -8,7 +8,8 @@ a chunk is 256 tokens (512 KiB at the defaults); DRAM holds 16 chunks; each of t
 chunks, each request a prefix and a 37-token suffix, so 16 prefixes are 48 chunks. Pass 1
 computes every prefix once; HBM is emptied; pass 2 sends each prefix again with a new suffix,
 one request at a time (its latency is its TTFT: one output token). Reported: pass-2 TTFT
-mean/p50, the share of prompt tokens restored from DRAM and from disk, and whether the tokens
+mean/p50/p99 (nearest rank: with 16 requests p99 is the slowest) and their ratios against
+the goal (disk at most half of DRAM only), the share of prompt tokens restored from DRAM and from disk, and whether the tokens
 of every pass-2 request equal those of the other configuration.
 """
 
@@ -73,10 +74,16 @@ def run(model: str, prefixes: int, disk: str | None, dram: str) -> dict[str, Any
     res = {"config": "dram+disk" if disk else "dram only", "prefixes": prefixes,
            "working_set_chunks": 3 * prefixes, "dram_chunks": 16,
            "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
+           "ttft_p99_s": _nearest_rank(ttft, 0.99), "ttft_s": ttft,
            "restored_share_dram": (restored - from_disk) / prompt_tokens,
            "restored_share_disk": from_disk / prompt_tokens, "tokens": out}
     shutdown(llm)
     return res
+
+
+def _nearest_rank(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(q * len(s) + 0.999999) - 1))]
 
 
 def main() -> None:
@@ -100,8 +107,11 @@ def main() -> None:
         r.pop("tokens")
         r["tokens_identical_across_configs"] = same
         print(json.dumps(r))
-    print(json.dumps({"ttft_ratio_disk_over_dram_only":
-                      results[1]["ttft_mean_s"] / results[0]["ttft_mean_s"]}))
+    ratios = {k: results[1][f"ttft_{k}_s"] / results[0][f"ttft_{k}_s"]
+              for k in ("mean", "p50", "p99")}
+    # the issue's goal: repeated-prefix TTFT with disk at most half of DRAM only
+    print(json.dumps({"ttft_ratio_disk_over_dram_only": ratios,
+                      "goal_at_most_half_met": {k: r <= 0.5 for k, r in ratios.items()}}))
 
 
 if __name__ == "__main__":

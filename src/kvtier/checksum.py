@@ -291,6 +291,24 @@ def checksum(buf: torch.Tensor, seed: int) -> int:
     return (seal_of(seed, 0) + block_sums(buf, None, 1)[0]) & MASK64
 
 
+def piece_sum(piece: torch.Tensor, first_word: int) -> int:
+    """The unseeded sum of the terms of ``piece`` (a CPU uint8 tensor, whole words) as the
+    words ``first_word``.. of a larger buffer: the pieces of a buffer add up (mod 2**64) to
+    ``block_sums(buf, None, 1)[0]``, so ``seal_of(seed, 0)`` plus them is its
+    :func:`checksum`, computed while the rest of the buffer is still being read."""
+    _check(piece)
+    w = _words_np(piece)
+    r = MULTIPLIERS.numpy(first_word + w.size)[first_word:]
+    total = _U(0)
+    scratch = np.empty(min(w.size, _PIECE_WORDS), dtype=_U)
+    tmp = np.empty_like(scratch)
+    with np.errstate(over="ignore"):
+        for a in range(0, w.size, _PIECE_WORDS):
+            b = min(w.size, a + _PIECE_WORDS)
+            total += _terms_np(w[a:b], r[a:b], scratch, tmp).sum(dtype=_U)
+    return int(total)
+
+
 # --- vectorized seeds and seals (the GPU engine's host side) -------------------------------
 
 def _fmix64_np(z: np.ndarray) -> np.ndarray:

@@ -52,6 +52,8 @@ NON_SETTING_ENV = frozenset({"KVTIER_SOAK", "KVTIER_STARTUP_REPORT", "KVTIER_TES
                              "KVTIER_TEST_REDIS_CLUSTER", "KVTIER_TEST_REDIS_REQUIRED"})
 DEFAULT_DRAM_SIZE = 4 * 2**30
 DEFAULT_STAGING_SIZE = 256 * 2**20
+_DEPRECATED_ALIASES = {"disk_max_defer_ms": "prepare_timeout_ms",
+                       "disk_max_defer_steps": "prepare_max_steps"}
 
 logger = get_logger("config")
 
@@ -254,9 +256,15 @@ class KvtierConfig(BaseModel):
     )
     prepare_timeout_ms: Number = Field(
         default=1000.0, gt=0,
-        description="Where hits are verified before they are promised (see verify_checksums): "
-        "the longest a request waits for it, from its first lookup, before it goes on "
-        "without the hit.",
+        description="The longest a request waits, from its first deferred lookup, while its "
+        "hit is made ready in DRAM before it is promised: chunks promoted from the disk tier, "
+        "or verified where hits are verified before they are promised (see verify_checksums). "
+        "Past it (or prepare_max_steps) the request goes on with what is ready.",
+    )
+    prepare_max_steps: Count = Field(
+        default=10_000, ge=0,
+        description="Engine steps a request may wait while its hit is made ready in DRAM "
+        "(see prepare_timeout_ms).",
     )
     allow_fail_policy: bool = Field(
         default=False,
@@ -275,14 +283,13 @@ class KvtierConfig(BaseModel):
         description="Chunks in flight to or from the disk tier; beyond, demotions and "
         "promotions are skipped.",
     )
-    disk_max_defer_steps: Count = Field(
-        default=10_000, ge=0,
-        description="Engine steps a lookup may wait for chunks read from disk into DRAM.",
+    disk_max_defer_steps: Count | None = Field(
+        default=None, ge=0,
+        description="Deprecated alias of prepare_max_steps (one bound for every preparation).",
     )
-    disk_max_defer_ms: Number = Field(
-        default=1000.0, ge=0,
-        description="Milliseconds a lookup may wait for chunks read from disk into DRAM; past "
-        "either bound the request goes on with what DRAM holds.",
+    disk_max_defer_ms: Number | None = Field(
+        default=None, ge=0,
+        description="Deprecated alias of prepare_timeout_ms (one bound for every preparation).",
     )
     # The remote tier (kvtier.tiers.remote): a Redis or Valkey shared by several engines.
     remote_url: str | None = Field(
@@ -341,6 +348,19 @@ class KvtierConfig(BaseModel):
     namespace_extra: str = Field(
         default="", description="Free text mixed into the key namespace (e.g. a deployment id)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_aliases(cls, data: Any) -> Any:
+        """The disk tier's deferral bounds became the one preparation bound: an old setting
+        sets the new one unless that is given too."""
+        if not isinstance(data, Mapping):
+            return data
+        out = dict(data)
+        for old, new in _DEPRECATED_ALIASES.items():
+            if out.get(old) is not None and out.get(new) is None:
+                out[new] = out[old]
+        return out
 
     @model_validator(mode="before")
     @classmethod

@@ -1,32 +1,43 @@
 """Prepare before promise: the step of the lookup -> prepare -> complete lifecycle in which a
-lookup defers while the workers ready a hit's chunks, so that what is promised can no longer
-fail.
+lookup defers (``None``, "ask again next step") while the bytes of a hit are made ready in
+DRAM, so that what is promised can no longer fail.
 
-Where it is used: where vLLM has no way to hear of a load that fails after kvtier promised it
-(vLLM 0.25.1 with several KV-cache groups, docs/notes/hybrid-loads-025.md, option (b); the
-connector's compat layer decides, :func:`kvtier.vllm.compat.promises_are_final`). Today the
-preparation is a *verify job* (:data:`~kvtier.protocol.JobKind.VERIFY`: every worker checks
-the hit's slots against their checksums on the host, nothing is written); the disk tier will
-reuse the same step to promote chunks from disk into DRAM before the promise.
+One mechanism, two kinds of preparation job, any of them per request:
 
-Contract (:class:`~kvtier.scheduler.OffloadScheduler` with ``prepare_hits``):
+- a *promotion* (the disk tier, :mod:`kvtier.tiers.schedule`): chunks DRAM lacks and a lower
+  tier holds are read into reserved DRAM slots, verifying the tier's checksum; wherever a
+  lower tier is configured;
+- a *verify job* (:data:`~kvtier.protocol.JobKind.VERIFY`): every worker checks the hit's
+  DRAM slots against their checksums, nothing is written; where vLLM has no way to hear of a
+  load that fails after kvtier promised it (vLLM 0.25.1 with several KV-cache groups,
+  docs/notes/hybrid-loads-025.md, option (b); :func:`kvtier.vllm.compat.promises_are_final`)
+  and ``verify_checksums`` is on (``prepare_hits``).
 
-1. ``lookup`` finds a hit as always. If the hit's chunks (every group's KV chunks the load
-   reads and the boundary's state objects) are all prepared, it is promised. Otherwise the
-   lookup answers ``None`` ("ask again next step") and, unless one is in flight, plans a
-   preparation job over the chunks not yet prepared, which pins them.
-2. Each chunk of a finished preparation is either prepared (it stays pinned, so it cannot be
-   evicted, reset into another slot or rewritten before the promise) or, when it failed
-   (a checksum mismatch on any rank), dropped from the index with what is unreachable without
-   it. The next lookup finds the longest hit left and promises it only if all of its chunks
-   are prepared (a lower boundary needs other window chunks and another state: those are
-   prepared first).
-3. Bounded: a request defers for at most ``prepare_timeout_ms`` from its first deferral; then
-   it goes on with no hit (declined ``prepare_timed_out``) and never defers again. A job that
-   fails for another reason than a mismatch declines the hit (``prepare_failed``).
+Contract (:class:`~kvtier.scheduler.OffloadScheduler`):
+
+1. ``lookup`` finds the DRAM hit as always. If a lower tier extends it and restoring through
+   it pays, a promotion starts and the lookup defers. When the promotion lands, its chunks
+   are in DRAM, verified by the tier's checksum and pinned as *prepared* (no eviction takes
+   them before the promise); the next lookup finds the longer DRAM hit.
+2. With ``prepare_hits`` a hit is promised only if every chunk it reads (every group's KV
+   chunks and the boundary's state objects) is prepared; otherwise the lookup defers and,
+   unless a job is in flight, plans a verify job over the chunks not yet prepared, which
+   pins them. A chunk that failed (a checksum mismatch on any rank) is dropped from the
+   index with what is unreachable without it; the next lookup finds the longest hit left.
+3. One bound for both: a request defers for at most ``prepare_timeout_ms`` and
+   ``prepare_max_steps`` engine steps from its first deferral. Past it the request goes on
+   with what is already prepared: the DRAM hit without the promotion's chunks (without
+   ``prepare_hits``), or, with it, the hit if every chunk of it is prepared, else no hit
+   (declined ``prepare_timed_out``); it never defers again (``prepare_timeouts`` counts it).
+   A job in flight still finishes (a promotion still lands, for later requests). A verify
+   job that fails for another reason than a mismatch declines the hit (``prepare_failed``).
 4. The pins end when the load is decided (``start_load`` takes its own), when the request
    finishes or its id is reused, or at the timeout; a job in flight then still finishes and
    its pins end with it.
+
+Counters (:class:`~kvtier.scheduler.SchedulerStats`): ``prepares`` (verify jobs planned),
+``prepare_deferrals`` (lookups answered None, whatever they waited for),
+``prepare_timeouts``; the tier counts its promotions (``TierStats.promotions``).
 """
 
 from __future__ import annotations
@@ -41,12 +52,26 @@ ChunkRef = tuple[int, bytes]
 
 @dataclass
 class Preparation:
-    """One request's preparation: started at ``started`` (the clock's seconds), the job in
-    flight (None: none), and the prepared chunks, pinned."""
+    """One request's preparation: started at ``started`` (the clock's seconds) in engine step
+    ``step``; the verify job in flight (``job``) and the promotion in flight (``promotion``),
+    None where none; the prepared chunks, pinned."""
 
     started: float
+    step: int = 0
     job: int | None = None
+    promotion: int | None = None
+    promotion_tried: bool = False  # a request promotes at most once per lifecycle
+    promoted_tokens: int = 0  # tokens a landed promotion added to the DRAM hit
+    timed_out: bool = False
     prepared: dict[ChunkRef, Entry] = field(default_factory=dict)
+
+    @property
+    def busy(self) -> bool:
+        """A preparation job is in flight."""
+        return self.job is not None or self.promotion is not None
+
+    def past_bound(self, now: float, step: int, max_ms: float, max_steps: int) -> bool:
+        return (now - self.started) * 1e3 > max_ms or step - self.step > max_steps
 
     def covers(self, live: dict[ChunkRef, Entry | None]) -> bool:
         """Whether every chunk of a hit (``live``: the index's entry for each now) is one

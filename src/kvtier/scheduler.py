@@ -152,6 +152,7 @@ class SchedulerStats:
     checksum_failures: int = 0  # jobs whose slots did not verify, summed over ranks
     prepares: int = 0  # preparation jobs planned (kvtier.prepare)
     prepare_deferrals: int = 0  # lookups answered "ask again" while a hit was prepared
+    prepare_timeouts: int = 0  # requests whose preparation passed the bound
     corrupt_chunks: int = 0  # stored chunks dropped because their bytes did not verify
 
 
@@ -220,7 +221,7 @@ class OffloadScheduler:
         # a lower tier (the disk) below the slab: demotions, promotions (kvtier.tiers.schedule)
         self.tier = None if lower is None else (lower.make_scheduler or TierScheduler)(
             lower, self.index, self.allocator, self.slot_class, geometry, config,
-            self.estimates, world_size, self._job_ids)
+            self.estimates, world_size, self._job_ids, self._on_promoted)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -231,8 +232,6 @@ class OffloadScheduler:
             old.finished = True
             old.pending_hit = None
             self._release_preparation(old)
-        if self.tier is not None:
-            self.tier.forget_request(req_id)
         keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys,
                            lookahead=self.draft_lookahead)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
@@ -245,17 +244,12 @@ class OffloadScheduler:
         prepared, or promoted from a lower tier into DRAM: a hit is promised only for bytes
         already in DRAM). The decision is final once the engine allocates."""
         st = self.requests[req_id]
-        if self.tier is not None and self.tier.deferring(req_id, self._step):
-            return None
         hit = self._decide(st, tokens, hbm_tokens)
-        if self.tier is not None and self.tier.promote(
-                req_id, st.keys.keys, len(tokens), hbm_tokens, hit, self._step):
-            st.pending_hit = None
-            return None
-        if hit.ok and self.prepare_hits:
-            prepared = self._prepare(st, hit, hbm_tokens)
+        if self.tier is not None or self.prepare_hits:
+            prepared = self._prepare(st, len(tokens), hit, hbm_tokens)
             if prepared is None:
                 self.stats.prepare_deferrals += 1
+                st.pending_hit = None
                 return None
             hit = prepared
         self.stats.lookups += 1
@@ -322,12 +316,12 @@ class OffloadScheduler:
         st.load_job = job.job_id
         self.jobs[job.job_id].state = st
         self._step_loads.append(job)
+        if self.tier is not None and st.preparation is not None:
+            self.tier.note_load(st.preparation, hit.tokens)
         self._release_preparation(st)  # the load holds its own pins now
         self.stats.loads_started += 1
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
-        if self.tier is not None:
-            self.tier.note_load(req_id, hit.tokens)
         return job
 
     def _hit_chunks(self, hit: Hit, hbm_tokens: int) -> list[tuple[int, range]]:
@@ -337,27 +331,80 @@ class OffloadScheduler:
         return [(g, geo.chunks_to_load(g, first, hit.boundary)) for g in range(len(geo.groups))]
 
     # -- prepare before promise (kvtier.prepare) --------------------------------------------
-    def _prepare(self, st: RequestState, hit: Hit, hbm_tokens: int) -> Hit | None:
-        """``hit`` once all its chunks are prepared; None while they are being prepared (a
-        job is planned for those that are not); declined at the timeout."""
+    def _prepare(self, st: RequestState, num_tokens: int, hit: Hit,
+                 hbm_tokens: int) -> Hit | None:
+        """The hit to promise once its bytes are ready in DRAM (promoted from a lower tier,
+        verified); None while a preparation job runs or was just planned (the lookup
+        defers). Past the bound: what is already prepared (kvtier.prepare, item 3)."""
+        now = self._clock()
+        prep = st.preparation
+        if prep is None:
+            if st.prepare_declined is not None:
+                return hit  # given up: _decide declined it
+            prep = st.preparation = Preparation(started=now, step=self._step)
+        if not prep.timed_out and prep.past_bound(now, self._step, self.config.prepare_timeout_ms,
+                                                  self.config.prepare_max_steps):
+            prep.timed_out = True
+            self.stats.prepare_timeouts += 1
+        if prep.timed_out:
+            return self._prepared_after_timeout(st, prep, hit, hbm_tokens)
+        if prep.busy:
+            return None
+        if self.tier is not None and not prep.promotion_tried:
+            if self.tier.discovering(st.req_id, st.keys.keys, num_tokens):
+                return None  # the tier is finding out what it holds (within the bound)
+            prep.promotion_tried = True
+            started = self.tier.promote(st.req_id, st.keys.keys, num_tokens, hbm_tokens, hit)
+            if started is not None:
+                prep.promotion, prep.promoted_tokens = started
+                return None
+        if not hit.ok or not self.prepare_hits:
+            return hit
+        live = self._live_chunks(st, hit, hbm_tokens)
+        if prep.covers(live):
+            return hit
+        self._plan_preparation(st, prep, prep.missing(live))
+        return None
+
+    def _prepared_after_timeout(self, st: RequestState, prep: Preparation, hit: Hit,
+                                hbm_tokens: int) -> Hit:
+        """Past the bound: the DRAM hit if nothing needs verifying or all of it is prepared,
+        else no hit (and no more preparation for this lifecycle)."""
+        if not hit.ok or not self.prepare_hits:
+            return hit
+        if not prep.busy and prep.covers(self._live_chunks(st, hit, hbm_tokens)):
+            return hit
+        self._release_preparation(st)
+        st.prepare_declined = Decline.PREPARE_TIMEOUT
+        return Hit.declined(Decline.PREPARE_TIMEOUT)
+
+    def _live_chunks(self, st: RequestState, hit: Hit,
+                     hbm_tokens: int) -> dict[ChunkRef, Entry | None]:
+        """The index's entry now for every chunk a load of ``hit`` reads."""
         live: dict[ChunkRef, Entry | None] = {}
         for g, chunks in self._hit_chunks(hit, hbm_tokens):
             for j in chunks:
                 key = st.keys.keys[j]
                 live[(g, key)] = self.index.get(g, key)
-        prep = st.preparation
-        if prep is not None and prep.job is None and prep.covers(live):
-            return hit
-        now = self._clock()
-        if prep is None:
-            prep = st.preparation = Preparation(started=now)
-        if (now - prep.started) * 1e3 > self.config.prepare_timeout_ms:
-            self._release_preparation(st)
-            st.prepare_declined = Decline.PREPARE_TIMEOUT
-            return Hit.declined(Decline.PREPARE_TIMEOUT)
-        if prep.job is None:
-            self._plan_preparation(st, prep, prep.missing(live))
-        return None
+        return live
+
+    def _on_promoted(self, req_id: str, job_id: int, landed: list[Entry], ok: bool) -> None:
+        """A promotion finished (``landed``: the DRAM entries it committed): they become
+        prepared chunks of the request that asked for it, if it still waits for this job."""
+        st = self.requests.get(req_id)
+        prep = st.preparation if st is not None else None
+        if st is None or prep is None or prep.promotion != job_id:
+            return  # the request finished, its id was reused or it gave up
+        prep.promotion = None
+        if not ok:
+            prep.promoted_tokens = 0
+        if st.finished or prep.timed_out:
+            return
+        for e in landed:
+            ref = (e.group, e.key)
+            if ref not in prep.prepared and self.index.get(e.group, e.key) is e:
+                prep.prepared[ref] = self.index.pin(e.group, [e.key])[0]
+                self._pinned_chunks += 1
 
     def _plan_preparation(self, st: RequestState, prep: Preparation,
                           refs: list[ChunkRef]) -> None:
@@ -381,7 +428,8 @@ class OffloadScheduler:
         st = js.state
         prep = st.preparation if st is not None else None
         current = (prep is not None and prep.job == js.job.job_id and not st.finished
-                   and st.prepare_declined is None)  # else: given up, keep nothing
+                   and st.prepare_declined is None
+                   and not prep.timed_out)  # else: given up, keep nothing
         if prep is not None and prep.job == js.job.job_id:
             prep.job = None
         keep = []
@@ -405,7 +453,7 @@ class OffloadScheduler:
             return
         self._unpin(list(prep.prepared.values()))
         prep.prepared.clear()
-        if prep.job is None:
+        if not prep.busy:
             st.preparation = None
 
     def _unpin(self, entries: list[Entry]) -> None:

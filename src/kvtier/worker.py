@@ -26,8 +26,14 @@ from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
 from kvtier.shm import SharedSlab
 from kvtier.slab import HostSlab, Pinner
 from kvtier.tiers.disk import DiskChunkStore
-from kvtier.tiers.seam import ChunkStore, TierOp, TierPlan, TierRunner
-from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
+from kvtier.tiers.seam import ChunkCorrupt, ChunkStore, TierOp, TierPlan, TierRunner
+from kvtier.transfer import (
+    ChecksumMismatch,
+    ChunkMover,
+    Completion,
+    ThreadedTransferEngine,
+    TransferEngine,
+)
 
 PROMOTION_WAIT_S = 0.002
 """Longest a collect waits for a disk promotion in flight (:meth:`TierRunner.wait_promotions`):
@@ -163,7 +169,8 @@ class OffloadWorker:
                 lambda g, slot: self.slab.view(slot_class[g], slot, self._shard),
                 moves=self.writes, max_jobs=self.config.disk_max_pending_chunks + 64,
                 name="disk" if self.config.remote_url is None else "remote",
-                on_promoted=self._promoted if self.mover.verify else None)
+                on_promoted=self._promoted if self.mover.verify else None,
+                check_demoted=self._check_demoted if self.mover.verify else None)
         for job in plan.jobs:
             self.tier.submit(job)
 
@@ -171,6 +178,14 @@ class OffloadWorker:
         """A slot filled from the tier (its bytes verified there) gets its slab checksums,
         as a save's slot does, so the load that follows verifies it like any other."""
         self.mover.store_sums(TransferOp(op.group, op.slot, [], key_seed(op.key)))
+
+    def _check_demoted(self, op: TierOp) -> None:
+        """Before a slot is demoted: its bytes must match the checksums its save stored, so
+        a chunk corrupted in DRAM is never written to the tier as good."""
+        bad = self.mover.check([TransferOp(op.group, op.slot, [], key_seed(op.key))],
+                               skip=False)
+        if bad:
+            raise ChunkCorrupt(f"DRAM {ChecksumMismatch(bad)}")
 
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""

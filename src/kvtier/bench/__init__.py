@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "planner": "kvtier.bench.planner",
     "transfer": "kvtier.bench.transfer",
     "offline": "kvtier.bench.offline",
+    "disk": "kvtier.bench.disk",
 }
 
 DEFAULT = "serving"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.bench import scrape
@@ -77,6 +77,7 @@ class Summary:
     chunk_tokens: int
     hbm_share_of_repeat: float | None
     connector_share_of_restorable: float | None
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per kvtier tier
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +93,38 @@ def _sources(delta: scrape.Samples, cached: int | None, kvtier_present: bool,
                 "vllm")
     connector = int(scrape.total(delta, scrape.RESTORED) or 0) if kvtier_present else 0
     return connector, None if cached is None else cached - connector, None, "kvtier"
+
+
+def _gbps(nbytes: float, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def tier_stats(delta: scrape.Samples) -> dict[str, dict[str, float]]:
+    """Per kvtier tier, from the run's ``vllm:kvtier_*`` deltas: loads served (hits), bytes
+    and GB/s moved, and for the disk its promotions, demotions and checksum failures. DRAM's
+    hits are the loads no promotion served; its bytes are those loaded into the KV cache."""
+    def get(name: str, **match: str) -> float:
+        return scrape.total(delta, f"{scrape.KVTIER_PREFIX}{name}", **match) or 0.0
+
+    disk_hits = get("disk_hits_total", unit="loads")
+    out = {"dram": {
+        "hits": get("hits_total") - disk_hits,
+        "bytes": get("transfer_bytes_total", direction="load"),
+        "gbps": _gbps(get("transfer_bytes_total", direction="load"),
+                      get("transfer_seconds_total", direction="load")),
+    }}
+    if scrape.total(delta, f"{scrape.KVTIER_PREFIX}disk_bytes_total") is not None:
+        out["disk"] = {
+            "hits": disk_hits,
+            "bytes": get("disk_bytes_total", direction="read"),
+            "gbps": _gbps(get("disk_bytes_total", direction="read"),
+                          get("disk_seconds_total", direction="read")),
+            "bytes_written": get("disk_bytes_total", direction="write"),
+            "promotions": get("disk_promotions_total", outcome="committed"),
+            "demotions": get("disk_demotions_total", outcome="committed"),
+            "checksum_failures": get("disk_checksum_failures_total"),
+        }
+    return out
 
 
 def summarize(name: str, results: Sequence[RequestResult], wall: float,
@@ -136,6 +169,7 @@ def summarize(name: str, results: Sequence[RequestResult], wall: float,
         restorable_tokens=restorable, chunk_tokens=chunk_tokens,
         hbm_share_of_repeat=None if hbm_repeat is None else round(hbm_repeat, 4),
         connector_share_of_restorable=round(connector / restorable, 4) if restorable else None,
+        tiers=tier_stats(metrics_delta) if kvtier_present else {},
     )
 
 

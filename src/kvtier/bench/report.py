@@ -41,6 +41,13 @@ def _connector(s: Summary) -> str:
     return _per_req(s.connector_tokens, s) if _has_connector_count(s) else "- (not exported)"
 
 
+def _tier_row(s: Summary, tier: str) -> str:
+    t = s.tiers.get(tier)
+    if t is None:
+        return "-"
+    return f"{t['hits']:,.0f} / {t['bytes'] / 1e9:,.2f} / {t['gbps']:,.2f}"
+
+
 ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("requests (failed)", lambda s: f"{s.requests} ({s.failed})"),
     ("wall time", lambda s: f"{s.duration_s:.1f} s"),
@@ -61,6 +68,8 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("HBM share of repeated-prefix tokens", lambda s: _pct(s.hbm_share_of_repeat)),
     ("connector / whole-chunk prefix tokens", lambda s: _pct(s.connector_share_of_restorable)
      if _has_connector_count(s) else "-"),
+    ("kvtier DRAM: hits / GB loaded / GB/s", lambda s: _tier_row(s, "dram")),
+    ("kvtier disk: hits / GB read / GB/s", lambda s: _tier_row(s, "disk")),
     ("token sources from", lambda s: "vllm:prompt_tokens_by_source" if s.token_source == "vllm"
      else "usage + vllm:kvtier_*" if s.kvtier_present else "usage"),
 ]

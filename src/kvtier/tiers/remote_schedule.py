@@ -7,7 +7,8 @@ the disk (promotion before a promise, demotion of what eviction would lose), plu
   on-eviction only (tools/bench_remote.py): see docs/notes/remote-tier.md;
 - **discovery**: a lookup whose prefix the catalog does not cover asks the server
   (:class:`~kvtier.tiers.remote_directory.RemoteDirectory`, off the step loop) and defers
-  within ``disk_max_defer_steps`` / ``disk_max_defer_ms``; the chunks found are registered in
+  within the scheduler's preparation bound (``prepare_timeout_ms`` / ``prepare_max_steps``,
+  :mod:`kvtier.prepare`); the chunks found are registered in
   the catalog and promoted like any other.
 """
 
@@ -18,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.index.base import Entry
-from kvtier.planner import Hit
 from kvtier.tiers.remote_directory import Query, RemoteDirectory
 from kvtier.tiers.schedule import TierScheduler, _TierJobState
 from kvtier.tiers.seam import TierJob, TierJobKind, TierOp, TierPlan
@@ -43,7 +43,6 @@ class RemoteStats:
 @dataclass
 class _Asked:
     query: Query | None
-    step: int
     since: float
     registered: bool = False
 
@@ -115,37 +114,33 @@ class RemoteTierScheduler(TierScheduler):
         return None
 
     # -- discovery --------------------------------------------------------------------------
-    def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
-                dram_hit: Hit, step: int) -> bool:
+    def discovering(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> bool:
+        """Ask the directory once per request which of its chunks other engines stored (when
+        the catalog lacks some); defer until the answer is registered. Past the scheduler's
+        preparation bound the lookup goes on with what DRAM holds (and this query, if it
+        answers later, still registers what it found)."""
         asked = self._asked.get(req_id)
-        if asked is not None and not asked.registered and asked.query is not None:
+        if asked is not None:
+            if asked.registered or asked.query is None:
+                return False
             # an engine spinning through empty steps holds the GIL the answering thread
             # needs: give it up to QUERY_WAIT_S, only while a lookup waits for it
             if not asked.query.done.wait(QUERY_WAIT_S):
-                waited_ms = (time.monotonic() - asked.since) * 1e3
-                if (step - asked.step <= self.config.disk_max_defer_steps
-                        and waited_ms <= self.config.disk_max_defer_ms):
-                    self.stats.deferrals += 1
-                    return True
-                self.remote.queries_expired += 1
-                asked.query = None
-            else:
-                self._register(asked.query)
+                return True
+            self._register(asked.query)
             asked.registered = True
-        if super().promote(req_id, keys, num_tokens, hbm_tokens, dram_hit, step):
-            return True
-        if asked is not None or req_id in self.deferrals or self.directory is None:
+            return False
+        if self.directory is None:
             return False
         n = min(num_tokens // self.geometry.chunk_tokens, len(keys), MAX_QUERY_CHUNKS)
         groups = list(self.geometry.full_groups)
         if n == 0 or all(self.catalog.index.match(g, keys[:n]) == n for g in groups):
             return False
         query = self.directory.ask(groups, list(keys[:n]))
-        self._asked[req_id] = _Asked(query, step, time.monotonic(), registered=query is None)
+        self._asked[req_id] = _Asked(query, time.monotonic(), registered=query is None)
         if query is None:
             return False
         self.remote.queries += 1
-        self.stats.deferrals += 1
         return True
 
     def _register(self, query: Query) -> None:
@@ -167,8 +162,9 @@ class RemoteTierScheduler(TierScheduler):
                 parent = key
 
     def forget_request(self, req_id: str) -> None:
-        super().forget_request(req_id)
-        self._asked.pop(req_id, None)
+        asked = self._asked.pop(req_id, None)
+        if asked is not None and asked.query is not None and not asked.registered:
+            self.remote.queries_expired += 1  # the request went on before the answer
 
     def has_pending_work(self) -> bool:
         return bool(self._through) or super().has_pending_work()

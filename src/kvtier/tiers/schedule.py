@@ -13,17 +13,20 @@ lookup waits for a promotion.
   DRAM can give and restoring through it pays (:func:`promotion_pays`), DRAM slots are
   reserved for the missing chunks, the workers fill them from the tier, verifying every
   checksum, and the lookup answers ``None`` (ask again next step) until the promotion is
-  committed; then the hit is an ordinary DRAM hit. Past ``disk_max_defer_steps`` steps or
-  ``disk_max_defer_ms`` milliseconds the request goes on with what DRAM holds (the promotion
-  still lands, for later requests). A request promotes at most once per lifecycle.
+  committed; then the hit is an ordinary DRAM hit whose promoted chunks are already prepared.
+  The deferral, its bound and its counters are the scheduler's one preparation step
+  (:mod:`kvtier.prepare`): past the bound the request goes on with what DRAM holds (the
+  promotion still lands, for later requests). A request promotes at most once per lifecycle.
 - Chunks whose tier copy did not verify are forgotten by the tier (with their descendants),
   counted, and logged once each by the worker; their DRAM slots are released.
+- With ``verify_checksums`` a demotion first checks the slot against the checksums its save
+  stored: a chunk corrupted in DRAM is not written (nor its descendants in the job), is
+  dropped from DRAM with what hangs below it, counted (``demotions_corrupt``) and logged.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from kvtier.geometry import Geometry
 from kvtier.index.base import Entry
 from kvtier.index.memory import MemoryIndex
 from kvtier.planner import CostEstimates, Decline, Hit, find_hit, load_cost
+from kvtier.prepare import Preparation
 from kvtier.slab import SlotAllocator
 from kvtier.tiers.catalog import TierCatalog
 from kvtier.tiers.cost import TierCost
@@ -72,12 +76,11 @@ class TierStats:
     demotion_jobs_failed: int = 0
     demotions_dropped: int = 0  # chunks that left DRAM uncopied (no room or budget)
     evicted_already_stored: int = 0  # left DRAM with their copy already on the tier
+    demotions_corrupt: int = 0  # not demoted: the DRAM copy did not verify (dropped from DRAM)
     promotions: int = 0  # chunks committed to DRAM from the tier
     promotion_jobs_failed: int = 0
     checksum_failures: int = 0  # chunks whose tier copy did not verify (all ranks)
     tier_full: int = 0  # writes the tier declined for want of space
-    deferrals: int = 0  # lookups answered None while a promotion ran
-    deferrals_expired: int = 0  # requests that went on without their promotion
     declined_slower: int = 0  # promotions declined by the cost model
     hits: int = 0  # loads that restored chunks promoted for them
     hit_tokens: int = 0
@@ -99,21 +102,16 @@ class _TierJobState:
     corrupt: set[int] = field(default_factory=set)
 
 
-@dataclass
-class _Deferral:
-    job_id: int
-    step: int
-    since: float
-    tokens: int  # tokens the promotion adds to the DRAM hit
-    done: bool = False
-    ok: bool = False
-    expired: bool = False
+PromotionLanded = Callable[[str, int, list[Entry], bool], None]
+"""(request id, promotion job id, the DRAM entries it committed, whether it all verified):
+the scheduler's preparation step takes the landed chunks as prepared (kvtier.prepare)."""
 
 
 class TierScheduler:
     def __init__(self, tier: LowerTier, dram: MemoryIndex, allocator: SlotAllocator,
                  slot_class: Sequence[int], geometry: Geometry, config: KvtierConfig,
-                 estimates: CostEstimates, world_size: int, job_ids: itertools.count) -> None:
+                 estimates: CostEstimates, world_size: int, job_ids: itertools.count,
+                 on_landed: PromotionLanded | None = None) -> None:
         self.tier = tier
         self.catalog = tier.catalog
         self.dram = dram
@@ -129,7 +127,7 @@ class TierScheduler:
         self._leaving = [0] * len(geometry.groups)
         self._pending_chunks = 0
         self._bursts: deque[int] = deque([0], maxlen=32)  # chunks saved per recent step
-        self.deferrals: dict[str, _Deferral | None] = {}  # None: no promotion this lifecycle
+        self.on_landed = on_landed
         self.stats = TierStats()
 
     # -- demotion ---------------------------------------------------------------------------
@@ -183,45 +181,37 @@ class TierScheduler:
         self._queued.append(job)
 
     # -- promotion --------------------------------------------------------------------------
-    def deferring(self, req_id: str, step: int) -> bool:
-        """Whether the lookup of ``req_id`` waits (None) for its promotion this time."""
-        d = self.deferrals.get(req_id)
-        if d is None or d.done or d.expired:
-            return False
-        waited_ms = (time.monotonic() - d.since) * 1e3
-        if (step - d.step > self.config.disk_max_defer_steps
-                or waited_ms > self.config.disk_max_defer_ms):
-            d.expired = True
-            self.stats.deferrals_expired += 1
-            return False
-        self.stats.deferrals += 1
-        return True
+    def discovering(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> bool:
+        """Whether the tier is still finding out which of this request's chunks it holds:
+        the lookup defers and asks again (the scheduler's preparation bound applies); then
+        :meth:`promote` is asked once. This tier's catalog is local: it always knows."""
+        return False
+
+    def forget_request(self, req_id: str) -> None:
+        """The request finished or was aborted: drop what was kept for its lookups."""
 
     def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
-                dram_hit: Hit, step: int) -> bool:
-        """Start a promotion for this lookup if the tier extends ``dram_hit`` and that pays;
-        True: the lookup defers."""
-        if req_id in self.deferrals or dram_hit.reason not in IMPROVABLE:
-            return False
+                dram_hit: Hit) -> tuple[int, int] | None:
+        """Start a promotion for this lookup if the tier extends ``dram_hit`` and that pays:
+        (its job id, the tokens it adds to the DRAM hit); the lookup defers. None: no
+        promotion (the caller asks once per request lifecycle)."""
+        if dram_hit.reason not in IMPROVABLE:
+            return None
         view = _Tiered(self.dram, self.catalog.index)
         tiered = find_hit(view, self.geometry, keys, num_tokens, hbm_tokens)  # type: ignore[arg-type]
         have = dram_hit.boundary if dram_hit.ok else hbm_tokens // self.geometry.chunk_tokens
         if not tiered.ok or tiered.boundary <= have:
-            return False
+            return None
         todo = self._missing(keys, tiered.boundary)
         if self._pending_chunks + sum(len(js) for _, js in todo) > self.config.disk_max_pending_chunks:
-            return False
+            return None
         if self.config.cost_model and not self._pays(tiered, dram_hit, hbm_tokens, todo):
             self.stats.declined_slower += 1
-            self.deferrals[req_id] = None
-            return False
+            return None
         job = self._start_promotion(req_id, keys, todo)
         if job is None:
-            return False
-        self.deferrals[req_id] = _Deferral(job.job_id, step, time.monotonic(),
-                                           tiered.tokens - dram_hit.tokens)
-        self.stats.deferrals += 1
-        return True
+            return None
+        return job.job_id, tiered.tokens - dram_hit.tokens
 
     def _missing(self, keys: Sequence[bytes], boundary: int) -> list[tuple[int, list[int]]]:
         """Per full group, the chunks below ``boundary`` that DRAM lacks (the tier has them)."""
@@ -267,15 +257,12 @@ class TierScheduler:
         self._queued.append(job)
         return job
 
-    def note_load(self, req_id: str, tokens: int) -> None:
-        """A load of ``tokens`` was promised: a hit of the tier if a promotion served it."""
-        d = self.deferrals.get(req_id)
-        if d is not None and d.ok:
+    def note_load(self, prep: Preparation, tokens: int) -> None:
+        """A load of ``tokens`` was promised to a request prepared by ``prep``: a hit of the
+        tier if a promotion landed for it."""
+        if prep.promotion is None and prep.promoted_tokens:
             self.stats.hits += 1
-            self.stats.hit_tokens += min(tokens, d.tokens)
-
-    def forget_request(self, req_id: str) -> None:
-        self.deferrals.pop(req_id, None)
+            self.stats.hit_tokens += min(tokens, prep.promoted_tokens)
 
     def note_saved(self, entry: Entry) -> None:
         """A save committed ``entry`` to DRAM (a write-through tier copies it; this one waits
@@ -330,8 +317,12 @@ class TierScheduler:
                 self.stats.demotions += 1
         if js.failed:
             self.stats.demotion_jobs_failed += 1
-        self.dram.unpin(js.dram_entries)
         assert js.leaving is not None
+        chain = [*js.dram_entries, js.leaving]  # the job's ops, in order
+        for i in sorted(js.corrupt):  # bad bytes in DRAM: forget them and what hangs below
+            self.dram.discard(chain[i])
+            self.stats.demotions_corrupt += 1
+        self.dram.unpin(js.dram_entries)
         self._leaving[js.leaving.group] -= 1
         self.dram.end_leave(js.leaving)
 
@@ -345,12 +336,14 @@ class TierScheduler:
         first_bad: dict[int, int] = {}
         for i in sorted(js.corrupt):
             first_bad.setdefault(js.job.ops[i].group, i)
+        landed = []
         for i, e in enumerate(js.dram_entries):
             bad = first_bad.get(e.group)
             if not ok and (not js.corrupt or (bad is not None and i >= bad)):
                 self.dram.abort(e)
             elif self.dram.commit(e):
                 self.stats.promotions += 1
+                landed.append(e)
         if ok:
             for e in js.catalog_entries:
                 self.catalog.index.touch(e.group, [e.key])
@@ -360,9 +353,8 @@ class TierScheduler:
                                        report.promote_seconds / max(1, self.world_size))
         else:
             self.stats.promotion_jobs_failed += 1
-        d = self.deferrals.get(js.req_id)
-        if d is not None and d.job_id == js.job.job_id:
-            d.done, d.ok = True, ok
+        if self.on_landed is not None:
+            self.on_landed(js.req_id, js.job.job_id, landed, ok)
 
     def has_pending_work(self) -> bool:
         return bool(self.jobs or self._queued or self.catalog.deletes)

@@ -183,13 +183,19 @@ class TierRunner:
     report every job done without I/O, like their saves). ``max_jobs`` bounds the queue.
     ``on_promoted``: called on the I/O thread for every op whose slot a promotion filled
     with verified bytes (the worker stores the slot's slab checksums there).
+    ``check_demoted``: called on the I/O thread before a demotion reads a slot; raises
+    :class:`ChunkCorrupt` when the slot's bytes do not match their slab checksums (the
+    worker checks them), so a chunk corrupted in DRAM is never written to the tier as good:
+    the op is reported corrupt and the job's later ops (its descendants) are not written.
     """
 
     def __init__(self, store: ChunkStore, slot_view: SlotView, moves: bool = True,
                  max_jobs: int = 1024, name: str = "disk",
-                 on_promoted: Callable[[TierOp], None] | None = None) -> None:
+                 on_promoted: Callable[[TierOp], None] | None = None,
+                 check_demoted: Callable[[TierOp], None] | None = None) -> None:
         self.store = store
         self.on_promoted = on_promoted
+        self.check_demoted = check_demoted
         self.slot_view = slot_view
         self.moves = moves
         self.max_jobs = max_jobs
@@ -201,6 +207,7 @@ class TierRunner:
         self._queued = 0
         self._promotions = 0  # promotion jobs queued or running
         self.corrupt_reads = 0  # chunks whose stored bytes did not verify, ever
+        self.corrupt_demotions = 0  # chunks not written: their DRAM bytes did not verify
         self.full_writes = 0  # writes declined for want of space, ever
         self._thread = threading.Thread(target=self._loop, name=f"kvtier-{name}", daemon=True)
         self._thread.start()
@@ -269,10 +276,11 @@ class TierRunner:
             try:
                 out.nbytes += self._move(job.kind, op)
             except ChunkCorrupt as e:
-                self.corrupt_reads += 1
                 out.ok = False
                 out.corrupt.append(i)
-                self._log_corrupt(op, e)
+                self._log_corrupt(job.kind, op, e)
+                if job.kind is TierJobKind.DEMOTE:
+                    break  # the rest of a demotion is this chunk's descendants
             except TierFull as e:
                 self.full_writes += 1
                 out.ok, out.full, out.error = False, True, str(e)
@@ -290,14 +298,21 @@ class TierRunner:
             return 0
         view = self.slot_view(op.group, op.slot)
         if kind is TierJobKind.DEMOTE:
+            if self.check_demoted is not None:
+                self.check_demoted(op)
             return self.store.put(op.group, op.key, op.parent, view)
         n = self.store.get(op.group, op.key, op.parent, view)
         if self.on_promoted is not None:
             self.on_promoted(op)
         return n
 
-    def _log_corrupt(self, op: TierOp, e: Exception) -> None:
-        n = self.corrupt_reads
+    def _log_corrupt(self, kind: TierJobKind, op: TierOp, e: Exception) -> None:
+        if kind is TierJobKind.DEMOTE:
+            self.corrupt_demotions += 1
+            n, what = self.corrupt_demotions, "its DRAM copy did not verify, not demoted"
+        else:
+            self.corrupt_reads += 1
+            n, what = self.corrupt_reads, "did not verify, treated as a miss"
         if n <= 20 or n % 100 == 0:  # one line per chunk, bounded
-            logger.warning("kvtier %s: chunk %s of group %d did not verify (%d so far), "
-                           "treated as a miss: %s", self.name, op.key.hex()[:12], op.group, n, e)
+            logger.warning("kvtier %s: chunk %s of group %d %s (%d so far): %s", self.name,
+                           op.key.hex()[:12], op.group, what, n, e)

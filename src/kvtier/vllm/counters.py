@@ -97,6 +97,11 @@ def _tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda s: read(s.tier.stats) if s.tier is not None else 0
 
 
+def _with_tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Read a scheduler statistic where a disk tier is configured (0 without one)."""
+    return lambda s: read(s) if s.tier is not None else 0
+
+
 def _disk_stored(s: Any) -> int:
     if s.tier is None:
         return 0
@@ -180,11 +185,14 @@ METRICS: tuple[Metric, ...] = (
            "(their descendants leave with them).",
            series=_one("corrupt_chunks", lambda s: s.stats.corrupt_chunks)),
     Metric("prepares", COUNTER, SCHEDULER,
-           "Hits verified on the workers before they were promised (where a promised load "
-           "cannot fail: vLLM 0.25.1 with several KV-cache groups), and the lookups deferred "
-           "meanwhile.", label="what", series=(
+           "Preparing hits before they are promised (kvtier.prepare): verify jobs planned "
+           "(where a promised load cannot fail: vLLM 0.25.1 with several KV-cache groups), "
+           "lookups deferred while a hit was verified or promoted from the disk tier, and "
+           "requests that went on without it past prepare_timeout_ms / prepare_max_steps.",
+           label="what", series=(
                Series("prepares", "jobs", lambda s: s.stats.prepares),
-               Series("prepare_deferrals", "deferrals", lambda s: s.stats.prepare_deferrals))),
+               Series("prepare_deferrals", "deferrals", lambda s: s.stats.prepare_deferrals),
+               Series("prepare_timeouts", "timeouts", lambda s: s.stats.prepare_timeouts))),
     Metric("fences", COUNTER, SCHEDULER,
            "Saves fenced because their source blocks were reallocated or their request "
            "preempted.", series=_one("fences", lambda s: s.stats.fences)),
@@ -212,12 +220,16 @@ METRICS: tuple[Metric, ...] = (
                Series("disk_hit_tokens", "tokens", _tier(lambda t: t.hit_tokens)))),
     Metric("disk_demotions", COUNTER, SCHEDULER,
            "Chunks leaving DRAM, by outcome: committed to disk, dropped (no room or budget: "
-           "lost to the tier), already on disk, or in a failed demotion job.", label="outcome",
+           "lost to the tier), already on disk, dropped because their DRAM bytes did not "
+           "verify (verify_checksums: never written as good), or in a failed demotion job.",
+           label="outcome",
            series=(Series("disk_demotions", "committed", _tier(lambda t: t.demotions)),
                    Series("disk_demotions_dropped", "dropped",
                           _tier(lambda t: t.demotions_dropped)),
                    Series("disk_evicted_already_stored", "already_stored",
                           _tier(lambda t: t.evicted_already_stored)),
+                   Series("disk_demotions_corrupt", "corrupt_in_dram",
+                          _tier(lambda t: t.demotions_corrupt)),
                    Series("disk_demotion_jobs_failed", "job_failed",
                           _tier(lambda t: t.demotion_jobs_failed)))),
     Metric("disk_promotions", COUNTER, SCHEDULER,
@@ -233,11 +245,14 @@ METRICS: tuple[Metric, ...] = (
            "Demotion jobs the disk declined for want of space (a clean decline).",
            series=_one("disk_full", _tier(lambda t: t.tier_full))),
     Metric("disk_deferrals", COUNTER, SCHEDULER,
-           "Lookups answered 'ask again' while a promotion ran, requests that went on without "
-           "it past the bound, and promotions the cost model declined.", label="kind",
-           series=(Series("disk_deferrals", "deferred", _tier(lambda t: t.deferrals)),
+           "With a disk tier: lookups answered 'ask again' while a hit was prepared, requests "
+           "that went on past the bound (the same counts as kvtier_prepares, one preparation "
+           "step for promotion and verification), and promotions the cost model declined.",
+           label="kind",
+           series=(Series("disk_deferrals", "deferred",
+                          _with_tier(lambda s: s.stats.prepare_deferrals)),
                    Series("disk_deferrals_expired", "expired",
-                          _tier(lambda t: t.deferrals_expired)),
+                          _with_tier(lambda s: s.stats.prepare_timeouts)),
                    Series("disk_declined_slower", "declined_slower",
                           _tier(lambda t: t.declined_slower)))),
     Metric("disk_bytes", COUNTER, SCHEDULER,

@@ -1,0 +1,194 @@
+"""``kvtier bench disk``: the disk tier's sequential write and read GB/s against ``dd`` on the
+same directory, page cache bypassed (issue 16; goal: the tier at >= 80% of dd).
+
+- tier write: :meth:`kvtier.tiers.disk.DiskChunkStore.put` of ``--total-mib / --chunk-mib``
+  chunks (O_DIRECT, header, checksum, atomic rename) then ``os.sync``; tier read: ``get`` of
+  each (O_DIRECT: every read is cold), verifying every checksum;
+- dd: ``dd oflag=direct conv=fsync`` writing one file of the same size in chunk-size blocks,
+  then ``dd iflag=direct`` reading it;
+- ``--pairs`` alternations of (tier, dd), so load from other processes hits both alike; the
+  table gives each one's median and spread (min-max) and the ratio of the medians;
+- ``--rebuild N``: N chunk files (empty: a restart reads names only) and the time to scan the
+  directory and rebuild the tier's index, as a warm restart does.
+
+Writes ``disk.json`` and ``disk.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "disk tier sequential write/read GB/s vs dd on the same directory (O_DIRECT, cold)"
+
+NS = bytes(range(16))
+GOAL = 0.8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="directory on the disk to measure (a kvtier-bench folder "
+                   "is made and removed there)")
+    p.add_argument("--chunk-mib", type=float, default=2.0, help="chunk (and dd block) size")
+    p.add_argument("--total-mib", type=int, default=512, help="bytes per pass")
+    p.add_argument("--pairs", type=int, default=3, help="alternations of (tier, dd)")
+    p.add_argument("--rebuild", type=int, default=0, help="chunks for the rebuild timing")
+    p.add_argument("--out", default="bench/out/disk", help="folder for JSON and PNG")
+
+
+def _tier_pass(root: Path, chunk: int, n: int) -> tuple[float, float]:
+    import torch
+
+    from kvtier.tiers.disk import DiskChunkStore
+
+    shutil.rmtree(root, ignore_errors=True)
+    store = DiskChunkStore(root, 0, NS)
+    data = torch.randint(0, 256, (chunk,), dtype=torch.uint8)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    t0 = time.perf_counter()
+    for i, k in enumerate(keys):
+        store.put(0, k, keys[i - 1] if i else None, data)
+    os.sync()
+    write = time.perf_counter() - t0
+    out = torch.empty_like(data)
+    t0 = time.perf_counter()
+    for i, k in enumerate(keys):
+        store.get(0, k, keys[i - 1] if i else None, out)
+    read = time.perf_counter() - t0
+    direct = store.direct
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+    if not torch.equal(out, data) or not direct:
+        raise RuntimeError("the tier's bytes differ, or the filesystem refused O_DIRECT "
+                           "(the numbers would be the page cache's)")
+    return n * chunk / write / 1e9, n * chunk / read / 1e9
+
+
+def _dd(args: list[str]) -> float:
+    res = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    seconds = re.search(r"([0-9.]+) s, ", res.stderr)
+    copied = re.search(r"^(\d+) bytes", res.stderr, re.M)
+    if not seconds or not copied:
+        raise RuntimeError(f"unexpected dd output: {res.stderr}")
+    return int(copied.group(1)) / float(seconds.group(1)) / 1e9
+
+
+def _dd_pass(f: Path, chunk: int, n: int) -> tuple[float, float]:
+    bs = f"bs={chunk}"
+    write = _dd(["if=/dev/zero", f"of={f}", bs, f"count={n}", "oflag=direct", "conv=fsync"])
+    read = _dd([f"if={f}", "of=/dev/null", bs, "iflag=direct"])
+    f.unlink()
+    return write, read
+
+
+def _rebuild(root: Path, n: int) -> dict[str, float]:
+    from kvtier.tiers.catalog import TierCatalog
+    from kvtier.tiers.directory import scan
+    from kvtier.tiers.disk import chunk_name, shard_dir
+
+    d = shard_dir(root, 0)
+    d.mkdir(parents=True, exist_ok=True)
+    keys = [(i + 1).to_bytes(16, "little") for i in range(n)]
+    for i, k in enumerate(keys):  # chains of 64 chunks, like prefixes
+        (d / chunk_name(0, k, keys[i - 1] if i % 64 else None)).touch()
+    os.sync()
+    t0 = time.perf_counter()
+    found = scan(root, 1)
+    scanned = time.perf_counter() - t0
+    kept = TierCatalog(1, n).rebuild(found)
+    total = time.perf_counter() - t0
+    shutil.rmtree(root, ignore_errors=True)
+    if kept != n:
+        raise RuntimeError(f"the rebuild kept {kept} of {n} chunks")
+    return {"chunks": n, "scan_s": scanned, "total_s": total}
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run(args: argparse.Namespace) -> int:
+    base = Path(args.dir) / "kvtier-bench"
+    base.mkdir(parents=True, exist_ok=True)
+    chunk = int(args.chunk_mib * 2**20)
+    n = max(1, args.total_mib * 2**20 // chunk)
+    passes: dict[str, list[float]] = {k: [] for k in
+                                      ("tier_write", "tier_read", "dd_write", "dd_read")}
+    try:
+        for _ in range(args.pairs):
+            w, r = _tier_pass(base / "tier", chunk, n)
+            passes["tier_write"].append(w)
+            passes["tier_read"].append(r)
+            w, r = _dd_pass(base / "dd.bin", chunk, n)
+            passes["dd_write"].append(w)
+            passes["dd_read"].append(r)
+        rebuild = _rebuild(base / "rebuild", args.rebuild) if args.rebuild else None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    result = _result(args, chunk, n, passes, rebuild)
+    _print(result)
+    _report(result, args.out)
+    return 0
+
+
+def _result(args: argparse.Namespace, chunk: int, n: int, passes: dict[str, list[float]],
+            rebuild: dict[str, float] | None) -> dict[str, Any]:
+    gbps = {k: {**_summary(v), "passes": v} for k, v in passes.items()}
+    ratio = {d: gbps[f"tier_{d}"]["median"] / gbps[f"dd_{d}"]["median"]
+             for d in ("write", "read")}
+    return {
+        "bench": "disk", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": platform.node(), "dir": args.dir, "chunk_bytes": chunk, "chunks": n,
+        "pairs": args.pairs, "load_average": os.getloadavg(), "gbps": gbps,
+        "tier_vs_dd": ratio, "goal": GOAL,
+        "met": {d: r >= GOAL for d, r in ratio.items()}, "rebuild": rebuild,
+    }
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"{'pass':<12}{'median GB/s':>12}{'min':>8}{'max':>8}")
+    for k, v in result["gbps"].items():
+        print(f"{k:<12}{v['median']:>12.2f}{v['min']:>8.2f}{v['max']:>8.2f}")
+    for d, r in result["tier_vs_dd"].items():
+        met = "met" if result["met"][d] else "NOT met"
+        print(f"tier/dd {d}: {r:.0%} (goal {GOAL:.0%}: {met})")
+    if result["rebuild"]:
+        rb = result["rebuild"]
+        print(f"rebuild of {rb['chunks']:,} chunks: {rb['total_s']:.2f} s "
+              f"(scan {rb['scan_s']:.2f} s)")
+
+
+def _report(result: dict[str, Any], out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "disk.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = list(result["gbps"])
+        med = [result["gbps"][k]["median"] for k in names]
+        lo = [m - result["gbps"][k]["min"] for k, m in zip(names, med, strict=True)]
+        hi = [result["gbps"][k]["max"] - m for k, m in zip(names, med, strict=True)]
+        ax.bar(names, med, yerr=[lo, hi], capsize=4,
+               color=["tab:blue", "tab:blue", "tab:gray", "tab:gray"])
+        ax.set_ylabel("GB/s (median, min-max)")
+        ax.set_title(f"disk tier vs dd, {result['chunk_bytes'] >> 20} MiB chunks, "
+                     f"{result['pairs']} pairs")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "disk.png"), dpi=120)
+        plt.close(fig)
+    except ImportError:  # pragma: no cover
+        pass
+    print(f"wrote {out}/disk.json and disk.png")

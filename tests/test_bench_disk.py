@@ -1,0 +1,30 @@
+"""``kvtier bench disk`` on a real directory (small sizes): it measures the tier and dd in
+alternating pairs and writes its table, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier import cli
+
+
+def test_bench_disk_writes_pairs_medians_and_the_rebuild(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "disk", str(tmp_path), "--chunk-mib", "0.25", "--total-mib", "2",
+                   "--pairs", "2", "--rebuild", "200", "--out", str(out)])
+    assert rc in (0, None)
+    result = json.loads((out / "disk.json").read_text())
+    assert (out / "disk.png").stat().st_size > 0
+    for k in ("tier_write", "tier_read", "dd_write", "dd_read"):
+        g = result["gbps"][k]
+        assert len(g["passes"]) == 2 and g["min"] <= g["median"] <= g["max"] and g["min"] > 0
+    assert set(result["tier_vs_dd"]) == {"write", "read"}
+    assert result["rebuild"]["chunks"] == 200
+    printed = capsys.readouterr().out
+    assert "tier/dd read" in printed and "rebuild of 200 chunks" in printed
+    assert not (tmp_path / "kvtier-bench").exists()
