@@ -111,9 +111,9 @@ class WorkerReport:
     verifies: dict[int, list[int]] = field(default_factory=dict)
     corrupt: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     checksum_failures: int = 0
-    bytes_saved: int = 0
+    bytes_stored: int = 0
     bytes_loaded: int = 0
-    save_seconds: float = 0.0
+    store_seconds: float = 0.0
     load_seconds: float = 0.0
     fences_waited: int = 0
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
@@ -131,9 +131,9 @@ class WorkerReport:
             known = self.corrupt.setdefault(job, [])
             known.extend(p for p in pairs if p not in known)
         self.checksum_failures += other.checksum_failures
-        self.bytes_saved += other.bytes_saved
+        self.bytes_stored += other.bytes_stored
         self.bytes_loaded += other.bytes_loaded
-        self.save_seconds += other.save_seconds
+        self.store_seconds += other.store_seconds
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
         self.jobs.extend(other.jobs)

@@ -53,6 +53,7 @@ from kvtier.policy import make_admission, make_policy
 from kvtier.prepare import ChunkRef, Preparation
 from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
+from kvtier.tiers import DRAM
 from kvtier.tiers.schedule import LowerTier, TierScheduler
 
 
@@ -153,6 +154,11 @@ class SchedulerStats:
     prepares: int = 0  # preparation jobs planned (kvtier.prepare)
     prepare_deferrals: int = 0  # lookups answered "ask again" while a hit was prepared
     corrupt_chunks: int = 0  # stored chunks dropped because their bytes did not verify
+    # per tier name (kvtier.tiers.TIER_NAMES), per final lookup answer: it promised tokens the
+    # tier held (hit), or the tier was asked and provided none (miss); the tokens it provided
+    tier_hits: Counter = field(default_factory=Counter)
+    tier_misses: Counter = field(default_factory=Counter)
+    tier_hit_tokens: Counter = field(default_factory=Counter)
 
 
 class OffloadScheduler:
@@ -259,6 +265,7 @@ class OffloadScheduler:
                 return None
             hit = prepared
         self.stats.lookups += 1
+        self._count_tiers(req_id, hit)
         if hit.ok:
             st.pending_hit = (hit, hbm_tokens)
             return hit.tokens
@@ -267,6 +274,24 @@ class OffloadScheduler:
             st.last_decline = hit.reason
             self.stats.declined[hit.reason.value] += 1
         return 0
+
+    def _count_tiers(self, req_id: str, hit: Hit) -> None:
+        """Each tier's part in one final lookup answer: DRAM is asked by every lookup; a lower
+        tier when DRAM's answer could be improved on. Tokens a lower tier promoted for this
+        request count as its hit, the rest of the answer as DRAM's."""
+        below = 0
+        if self.tier is not None:
+            asked, below = self.tier.answered(req_id, hit)
+            if asked:
+                self._count_tier(self.tier.tier.name, below)
+        self._count_tier(DRAM, hit.tokens - below if hit.ok else 0)
+
+    def _count_tier(self, name: str, tokens: int) -> None:
+        if tokens > 0:
+            self.stats.tier_hits[name] += 1
+            self.stats.tier_hit_tokens[name] += tokens
+        else:
+            self.stats.tier_misses[name] += 1
 
     def _decide(self, st: RequestState, tokens: Sequence[int], hbm_tokens: int) -> Hit:
         if not self.loads_enabled:

@@ -272,6 +272,15 @@ class TierScheduler:
             self.stats.hits += 1
             self.stats.hit_tokens += min(tokens, d.tokens)
 
+    def answered(self, req_id: str, hit: Hit) -> tuple[bool, int]:
+        """For a final lookup answer ``hit`` (after the DRAM answer and any promotion): whether
+        this tier was asked (DRAM's answer was one a promotion may improve on, or a promotion
+        was considered for the request), and how many of the promised tokens it provided."""
+        asked = req_id in self.deferrals or hit.reason in IMPROVABLE
+        d = self.deferrals.get(req_id)
+        provided = min(hit.tokens, d.tokens) if hit.ok and d is not None and d.ok else 0
+        return asked, provided
+
     def forget_request(self, req_id: str) -> None:
         self.deferrals.pop(req_id, None)
 

@@ -8,7 +8,8 @@ scheduler half's counters). Contract:
 - Keys without the ``gauge_`` prefix are counter *increments*; ``gauge_*`` keys are levels.
 - Every key in the table of :mod:`kvtier.vllm.counters` maps to one series (a metric plus
   fixed labels); ``declined_<reason>`` and ``saves_dropped_<reason>`` map to a ``reason``
-  label. A key the table does not know still appears, as ``vllm:kvtier_<key>_total`` (or
+  label, ``tier_hits_<tier>``, ``tier_misses_<tier>`` and ``tier_hit_tokens_<tier>`` to a
+  ``tier`` label. A key the table does not know still appears, as ``vllm:kvtier_<key>_total`` (or
   ``vllm:kvtier_<key>`` for a gauge), so new stats are never silently lost.
 - ``obs_*`` keys are lists of observations, each observed once into its histogram
   (:data:`kvtier.vllm.counters.HISTOGRAMS`); an ``obs_`` key the table does not know is
