@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from _disk_loop import CHUNK, Loop, config, prompt
 from kvtier.bench import scrape
 from kvtier.tiers import TIER_NAMES
+from kvtier.vllm import compat
 from kvtier.vllm.counters import scheduler_counts
 from kvtier.vllm.prom import KvtierPromMetrics
 
@@ -63,6 +64,7 @@ def test_dram_counts_every_lookup_and_a_disk_hit_is_the_disk_tiers(tmp_path: Pat
     after = _tiers(loop)
     assert after["disk"] == (1, before["disk"][1], 3 * CHUNK)  # all of it came up from disk
     assert after["dram"] == (0, before["dram"][1] + 1, 0)  # DRAM held none of it: a miss
+    assert loop.sched.hit_sources("from-disk") == {"disk": 3 * CHUNK}  # vLLM 0.32's split
     loop.sched.request_finished("from-disk")
     loop.settle()
 
@@ -71,6 +73,7 @@ def test_dram_counts_every_lookup_and_a_disk_hit_is_the_disk_tiers(tmp_path: Pat
     last = _tiers(loop)
     assert last["dram"] == (1, after["dram"][1], 3 * CHUNK)
     assert last["disk"] == (1, after["disk"][1] + 1, 3 * CHUNK)  # asked, held nothing more
+    assert loop.sched.hit_sources("from-dram") == {"dram": 3 * CHUNK}
     loop.sched.request_finished("from-dram")
 
     n, _ = loop.lookup("nowhere", prompt(99))
@@ -78,6 +81,7 @@ def test_dram_counts_every_lookup_and_a_disk_hit_is_the_disk_tiers(tmp_path: Pat
     final = _tiers(loop)
     assert final["dram"][1] == last["dram"][1] + 1 and final["disk"][1] == last["disk"][1] + 1
     assert final["dram"][0] + final["dram"][1] == loop.sched.stats.lookups  # DRAM: every one
+    assert loop.sched.hit_sources("nowhere") == {}
     loop.sched.request_finished("nowhere")
     loop.settle()
     loop.close()
@@ -116,3 +120,18 @@ def test_the_tier_series_exist_from_start_up_and_take_the_stats(tmp_path: Path) 
     loop.sched.request_finished("from-disk")
     loop.settle()
     loop.close()
+
+
+def test_vllm_032_gets_each_promised_hit_split_by_its_cache_hit_source() -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
+
+    from kvtier.vllm.connector import KvtierConnector
+
+    assert "get_external_cache_hit_sources" in KvtierConnector.__dict__
+    assert KvtierConnector._cache_hit_source is S.HOST
+    split = compat.cache_hit_sources
+    assert split({"dram": 64, "disk": 32}, 96) == {S.HOST: 64, S.DISK: 32}
+    assert split({"disk": 96}, 96) == {S.DISK: 96}
+    assert split({"remote": 32, "dram": 64}, 96) == {S.EXTERNAL_UNSPECIFIED: 32, S.HOST: 64}
+    assert split({}, 96) == {S.HOST: 96}  # not kvtier's split: all of it host memory
+    assert split({"dram": 64}, 0) == {}

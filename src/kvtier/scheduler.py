@@ -111,6 +111,7 @@ class RequestState:
     last_decline: Decline | None = None
     preparation: Preparation | None = None  # prepare before promise (kvtier.prepare)
     prepare_declined: Decline | None = None  # set: no more preparations, no hit
+    hit_sources: dict[str, int] = field(default_factory=dict)  # the promised hit, per tier
 
 
 @dataclass
@@ -265,7 +266,7 @@ class OffloadScheduler:
                 return None
             hit = prepared
         self.stats.lookups += 1
-        self._count_tiers(req_id, hit)
+        st.hit_sources = self._count_tiers(req_id, hit)
         if hit.ok:
             st.pending_hit = (hit, hbm_tokens)
             return hit.tokens
@@ -275,16 +276,27 @@ class OffloadScheduler:
             self.stats.declined[hit.reason.value] += 1
         return 0
 
-    def _count_tiers(self, req_id: str, hit: Hit) -> None:
-        """Each tier's part in one final lookup answer: DRAM is asked by every lookup; a lower
-        tier when DRAM's answer could be improved on. Tokens a lower tier promoted for this
-        request count as its hit, the rest of the answer as DRAM's."""
+    def hit_sources(self, req_id: str) -> dict[str, int]:
+        """The request's promised hit per tier name (``kvtier.tiers.TIER_NAMES``): tokens a
+        lower tier promoted into DRAM for it, and the rest DRAM's; only tiers above 0, summing
+        to the tokens promised ({} without a promise)."""
+        st = self.requests.get(req_id)
+        return dict(st.hit_sources) if st is not None else {}
+
+    def _count_tiers(self, req_id: str, hit: Hit) -> dict[str, int]:
+        """Each tier's part in one final lookup answer, counted and returned (tiers above 0):
+        DRAM is asked by every lookup; a lower tier when a promotion could improve on DRAM's
+        answer. Tokens a lower tier promoted for this request are its hit, the rest DRAM's."""
+        parts: dict[str, int] = {}
         below = 0
         if self.tier is not None:
             asked, below = self.tier.answered(req_id, hit)
             if asked:
                 self._count_tier(self.tier.tier.name, below)
-        self._count_tier(DRAM, hit.tokens - below if hit.ok else 0)
+                parts[self.tier.tier.name] = below
+        parts[DRAM] = hit.tokens - below if hit.ok else 0
+        self._count_tier(DRAM, parts[DRAM])
+        return {name: n for name, n in parts.items() if n > 0}
 
     def _count_tier(self, name: str, tokens: int) -> None:
         if tokens > 0:
