@@ -49,6 +49,7 @@ OBS_PREFIX = "obs_"
 PREFIX = "vllm:kvtier_"
 STORE, LOAD = "store", "load"
 TIER = DRAM  # the transfer histograms' tier: the slab (a lower tier's bytes are disk_*)
+_DRAM = (("tier", TIER),)  # the KV cache <-> DRAM transfers
 DEPRECATED_LABELS: dict[tuple[str, str], str] = {("direction", STORE): "save"}
 """(label, value) -> the old value also exported, with the same numbers, until 0.3."""
 
@@ -73,6 +74,11 @@ class Metric:
     series: tuple[Series, ...] = ()
     reasons: tuple[str, ...] = ()  # a reason family: key ``series[0].key + reason``
     reasons_of: Callable[[Any], dict[str, int]] | None = None  # reason -> count, from source
+    fixed: tuple[tuple[str, str], ...] = ()  # labels the same on every series (the tier)
+
+    def labels(self, value: str = "") -> dict[str, str]:
+        """The labels of the series whose ``label`` is ``value`` (or of the only series)."""
+        return {**({self.label: value} if self.label else {}), **dict(self.fixed)}
 
     @property
     def full_name(self) -> str:
@@ -168,25 +174,26 @@ METRICS: tuple[Metric, ...] = (
            series=_one("evictions", lambda s: s.index.evictions)),
     Metric("transfer_bytes", COUNTER, WORKER,
            "Bytes moved between the KV cache and the DRAM tier, per direction "
-           "(store: device to host).", label="direction",
+           "(store: device to host).", label="direction", fixed=_DRAM,
            series=_per_direction("bytes_stored", "bytes_loaded",
                                  lambda r, k: r.bytes_stored if k is JobKind.SAVE
                                  else r.bytes_loaded)),
     Metric("transfer_seconds", COUNTER, WORKER,
            "Seconds transfers took, per direction (summed over ranks and concurrent jobs).",
-           label="direction",
+           label="direction", fixed=_DRAM,
            series=_per_direction("store_seconds", "load_seconds",
                                  lambda r, k: r.store_seconds if k is JobKind.SAVE
                                  else r.load_seconds)),
     Metric("transfer_jobs", COUNTER, WORKER,
            "Transfer jobs finished by workers, per direction (one per rank).",
-           label="direction",
+           label="direction", fixed=_DRAM,
            series=_per_direction("store_jobs", "load_jobs",
                                  lambda r, k: len(r.saves if k is JobKind.SAVE else r.loads))),
     Metric("transfer_gbps", GAUGE, DERIVED,
            "Deprecated (removed in 0.3): GB/s of the latest step that moved bytes, per "
            "direction; use the transfer_throughput_gbps histogram or "
            "rate(transfer_bytes_total) / rate(transfer_seconds_total).", label="direction",
+           fixed=_DRAM,
            series=(Series("", STORE,
                           lambda d: _gbps(d, "bytes_stored", "store_seconds")),
                    Series("", LOAD,
@@ -394,11 +401,11 @@ def series_of_key(key: str) -> tuple[Metric, dict[str, str]] | None:
     known = BY_KEY.get(key)
     if known is not None:
         m, s = known
-        return m, ({m.label: s.label} if m.label else {})
+        return m, m.labels(s.label)
     for m in REASON_FAMILIES:
         prefix = m.series[0].key
         if key.startswith(prefix):
-            return m, {m.label: key[len(prefix):]}
+            return m, m.labels(key[len(prefix):])
     return None
 
 
@@ -411,8 +418,10 @@ def render_markdown() -> str:
             labels = f"`{m.label}`: " + ", ".join(f"`{r}`" for r in m.reasons)
             keys = f"`{m.series[0].key}<{m.label}>`"
         else:
-            labels = (f"`{m.label}`: " + ", ".join(_label_doc(m.label, s.label)
-                                                   for s in m.series) if m.label else "")
+            labels = "; ".join(
+                [*([f"`{m.label}`: " + ", ".join(_label_doc(m.label, s.label)
+                                                 for s in m.series)] if m.label else []),
+                 *(f"`{k}`: `{v}`" for k, v in m.fixed)])
             keys = ", ".join(f"`{s.key}`" for s in m.series if s.key) or "(computed)"
         rows.append(f"| `{m.full_name}` | {m.type} | {labels} | {keys} | {m.source} "
                     f"| {m.doc} |")

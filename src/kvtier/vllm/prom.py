@@ -87,11 +87,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             for m in METRICS:
                 if m.reasons:
                     for reason in m.reasons:
-                        self._series(engine, m.type, m.name, {m.label: reason})
+                        self._series(engine, m.type, m.name, m.labels(reason))
                     continue
                 for series in m.series:
-                    self._series(engine, m.type, m.name,
-                                 {m.label: series.label} if m.label else {})
+                    self._series(engine, m.type, m.name, m.labels(series.label))
 
     def _histogram_family(self, h: Histogram) -> Any:
         extra = list(h.labels(h.series[0]))
@@ -162,8 +161,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             for series in m.series:
                 value = series.read(data)
                 if value is not None:
-                    self._series(engine_idx, m.type, m.name,
-                                 {m.label: series.label} if m.label else {}).set(value)
+                    self._series(engine_idx, m.type, m.name, m.labels(series.label)).set(value)
 
 
 class _Both:
