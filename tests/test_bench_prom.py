@@ -50,7 +50,7 @@ def test_every_series_exists_at_zero_before_traffic(prom: Any) -> None:
     s = _samples(reg)
     assert _v(s, "vllm:kvtier_restored_tokens_total") == 0
     assert _v(s, "vllm:kvtier_loads_total", outcome="failed") == 0
-    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load") == 0
+    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load", tier="dram") == 0
     assert _v(s, "vllm:kvtier_occupancy") == 0
     for reason in Decline:
         assert _v(s, "vllm:kvtier_loads_declined_total", reason=reason.value) == 0
@@ -64,7 +64,7 @@ def test_observe_maps_stats_to_series(prom: Any) -> None:
     m, reg = prom
     # a worker's and the scheduler's stats merged, as vLLM hands them to the frontend
     stats = KvtierStats(data={"bytes_loaded": 4_000_000_000, "load_seconds": 2.0,
-                              "bytes_saved": 1_000_000, "save_seconds": 0.001,
+                              "bytes_stored": 1_000_000, "store_seconds": 0.001,
                               "transfer_failures": 1})
     stats.aggregate(KvtierStats(data={
         "loaded_tokens": 512, "loads_ok": 2, "declined_not_stored": 3,
@@ -80,9 +80,9 @@ def test_observe_maps_stats_to_series(prom: Any) -> None:
     assert _v(s, "vllm:kvtier_saves_dropped_total", reason="save_queue_full") == 4
     assert _v(s, "vllm:kvtier_evictions_total") == 5
     assert _v(s, "vllm:kvtier_transfer_failures_total") == 1
-    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load") == 4e9
-    assert _v(s, "vllm:kvtier_transfer_gbps", direction="load") == pytest.approx(2.0)
-    assert _v(s, "vllm:kvtier_transfer_gbps", direction="save") == pytest.approx(1.0)
+    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load", tier="dram") == 4e9
+    assert _v(s, "vllm:kvtier_transfer_gbps", direction="load", tier="dram") == pytest.approx(2.0)
+    assert _v(s, "vllm:kvtier_transfer_gbps", direction="save", tier="dram") == pytest.approx(1.0)
     assert _v(s, "vllm:kvtier_slots_used") == 20  # a level: the newest value
     assert _v(s, "vllm:kvtier_occupancy") == pytest.approx(0.5)
     assert _v(s, "vllm:kvtier_chunk_tokens") == 256
@@ -109,14 +109,14 @@ def test_direction_store_is_also_exported_as_its_deprecated_alias_save(prom: Any
     for name in ("vllm:kvtier_transfer_bytes_total", "vllm:kvtier_transfer_seconds_total",
                  "vllm:kvtier_transfer_jobs_total"):
         for direction in ("store", "save", "load"):  # every series at 0 from start-up
-            assert _v(s, name, direction=direction) == 0, (name, direction)
-    m.observe({"bytes_saved": 300, "save_seconds": 0.5, "save_jobs": 2, "bytes_loaded": 40}, 0)
+            assert _v(s, name, direction=direction, tier="dram") == 0, (name, direction)
+    m.observe({"bytes_stored": 300, "store_seconds": 0.5, "store_jobs": 2, "bytes_loaded": 40}, 0)
     s = _samples(reg)
     for direction in ("store", "save"):
-        assert _v(s, "vllm:kvtier_transfer_bytes_total", direction=direction) == 300
-        assert _v(s, "vllm:kvtier_transfer_jobs_total", direction=direction) == 2
-        assert _v(s, "vllm:kvtier_transfer_gbps", direction=direction) == pytest.approx(6e-7)
-    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load") == 40
+        assert _v(s, "vllm:kvtier_transfer_bytes_total", direction=direction, tier="dram") == 300
+        assert _v(s, "vllm:kvtier_transfer_jobs_total", direction=direction, tier="dram") == 2
+        assert _v(s, "vllm:kvtier_transfer_gbps", direction=direction, tier="dram") == pytest.approx(6e-7)
+    assert _v(s, "vllm:kvtier_transfer_bytes_total", direction="load", tier="dram") == 40
 
 
 def test_histograms_exist_at_zero_and_observe_every_listed_value(prom: Any) -> None:
@@ -153,6 +153,13 @@ def test_stats_concatenate_observations_and_log_their_count_and_mean() -> None:
     assert a.reduce() == {"obs_store_seconds_count": 2, "obs_store_seconds_mean": 2.0,
                           "lookups": 3}
     assert not KvtierStats(data={"obs_lookup_seconds": [0.1]}).is_empty()
+
+
+def test_the_logged_line_names_the_store_direction_as_the_metrics_do() -> None:
+    line = KvtierStats(data={"bytes_stored": 4_000_000_000, "store_seconds": 2.0,
+                             "bytes_loaded": 1_000_000_000, "load_seconds": 0.5}).reduce()
+    assert line["gbps_stored"] == 2.0 and line["gbps_loaded"] == 2.0
+    assert not any("save" in k for k in line)
 
 
 def test_observations_are_bounded_between_collections() -> None:

@@ -119,8 +119,8 @@ def test_the_planners_link_estimate_is_the_links_speed(name: str) -> None:
                                        for s in range(12)]))
     worker.drain()
     saved = worker.collect().report
-    assert saved.bytes_saved == 12 * sum(_chunk_bytes(fam))
-    assert saved.bytes_saved / saved.save_seconds / 1e9 == pytest.approx(GBPS, rel=1e-9)
+    assert saved.bytes_stored == 12 * sum(_chunk_bytes(fam))
+    assert saved.bytes_stored / saved.store_seconds / 1e9 == pytest.approx(GBPS, rel=1e-9)
     est = CostEstimates(link_gbps=1.0, prefill_seconds_per_token=1e-4, step_seconds=0.01)
     for step in range(2, 40):
         loads = [Job(1000 * step + i, f"r{i}", _ops(fam, range(4 * i, 4 * i + 4)))

@@ -17,12 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- BEGIN GENERATED: python -m kvtier.vllm.counters -->\n"
 END = "<!-- END GENERATED -->"
 
-# The names before the table existed (kvtier.vllm.prom's COUNTERS/GAUGES/DOCS and the
-# connector's _scheduler_counts/_collect): they must never change.
+# The names dashboards and the logged stats line show: a change here needs a CHANGELOG entry
+# (metric names: a deprecated alias for one release). 0.2 renamed the store direction's keys
+# bytes_saved, save_seconds, save_jobs to bytes_stored, store_seconds, store_jobs.
 STATS_KEYS = {
     "lookups", "hits", "hit_tokens", "loaded_tokens", "loads_started", "loads_ok",
     "loads_failed", "saves_planned", "saves_committed", "saves_failed", "evictions",
-    "bytes_saved", "bytes_loaded", "save_seconds", "load_seconds", "save_jobs", "load_jobs",
+    "bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "store_jobs", "load_jobs",
     "transfer_failures", "fences", "fences_waited", "unsaveable_requests", "resets",
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
     "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
@@ -53,6 +54,7 @@ METRIC_NAMES = {
     "disk_chunks_total",
     "remote_hits", "remote_hit_tokens", "remote_chunks", "remote_lookups", "remote_bytes",
     "remote_checksum_failures", "remote_chunks_known",  # the remote tier's (issue 17)
+    "tier_hits", "tier_misses", "tier_hit_tokens",  # per tier (issue 19)
 }
 
 
@@ -69,7 +71,8 @@ def test_names_are_unchanged() -> None:
     assert {m.name for m in METRICS} == METRIC_NAMES
     keys = {s.key for m in METRICS if not m.reasons for s in m.series if s.key}
     assert keys == STATS_KEYS
-    assert {m.series[0].key for m in METRICS if m.reasons} == {"declined_", "saves_dropped_"}
+    assert {m.series[0].key for m in METRICS if m.reasons} == {
+        "declined_", "saves_dropped_", "tier_hits_", "tier_misses_", "tier_hit_tokens_"}
 
 
 def test_the_stats_dicts_come_from_the_table() -> None:
@@ -90,9 +93,9 @@ def test_the_stats_dicts_come_from_the_table() -> None:
                       for s in m.series}
     assert scheduler_keys <= set(counts)
 
-    report = WorkerReport(saves={1: [1, 0], 2: [0, 1]}, loads={3: [0, 1]}, bytes_saved=10,
-                          save_seconds=0.5, fences_waited=2)
+    report = WorkerReport(saves={1: [1, 0], 2: [0, 1]}, loads={3: [0, 1]}, bytes_stored=10,
+                          store_seconds=0.5, fences_waited=2)
     w = worker_counts(report)
-    assert (w["save_jobs"], w["load_jobs"], w["transfer_failures"]) == (2, 1, 2)
-    assert (w["bytes_saved"], w["save_seconds"], w["bytes_loaded"]) == (10, 0.5, 0)
+    assert (w["store_jobs"], w["load_jobs"], w["transfer_failures"]) == (2, 1, 2)
+    assert (w["bytes_stored"], w["store_seconds"], w["bytes_loaded"]) == (10, 0.5, 0)
     assert w["fences_waited"] == 2

@@ -42,7 +42,7 @@ def test_it_reports_the_real_engines_bytes_in_the_same_step_and_moves_none() -> 
     assert saved.report.saves == real_saved.report.saves == {1: [1, 0]}
     assert loaded.report.loads == real_loaded.report.loads == {2: [1, 0]}
     assert loaded.finished_loads == real_loaded.finished_loads == {"s"}
-    assert saved.report.bytes_saved == real_saved.report.bytes_saved > 0
+    assert saved.report.bytes_stored == real_saved.report.bytes_stored > 0
     assert loaded.report.bytes_loaded == real_loaded.report.bytes_loaded > 0
     # the seconds are the bytes at the configured link rate: the planner's estimate stays put
     assert abs(loaded.report.load_seconds - loaded.report.bytes_loaded / 10e9) < 1e-12

@@ -44,6 +44,9 @@ def test_a_prefix_one_engine_computed_is_restored_by_another(shared: tuple[int, 
     assert (counts["remote_hits"], counts["remote_hit_tokens"], counts["remote_discovered"],
             counts["remote_promoted"]) == (1, 3 * CHUNK, 3, 3)
     assert scheduler_counts(first.sched)["remote_written_through"] == 3
+    # the per-tier series: the remote tier provided the whole hit, DRAM none of it
+    assert (counts["tier_hits_remote"], counts["tier_hit_tokens_remote"]) == (1, 3 * CHUNK)
+    assert counts.get("tier_hit_tokens_dram", 0) == 0
     second.settle()
     second.sched.check_drained()
     first.close()

@@ -80,8 +80,8 @@ def test_a_save_and_a_load_round_trip_and_are_reported_once() -> None:
     worker = make_worker(kv)
     want = kv.attn_block(1) + kv.attn_block(2) + kv.state_block(3)
     res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)]))
-    assert res.report.saves == {1: [1, 0]} and res.report.bytes_saved > 0
-    saved = res.report.bytes_saved
+    assert res.report.saves == {1: [1, 0]} and res.report.bytes_stored > 0
+    saved = res.report.bytes_stored
     kv.wipe()
     res = step(worker, StepPlan(2, loads=[Job(2, "r", [TransferOp(0, 0, [7, 8]),
                                                         TransferOp(1, 0, [9])])]))
@@ -137,7 +137,7 @@ def test_a_rank_that_does_not_write_still_reports_its_saves() -> None:
     worker = make_worker(kv, rank=1, world_size=2, replicated=True)
     assert not worker.writes
     res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)]))
-    assert res.report.saves == {1: [1, 0]} and res.report.bytes_saved == 0
+    assert res.report.saves == {1: [1, 0]} and res.report.bytes_stored == 0
     assert worker.collect().report.empty()
     worker.close()
 
@@ -149,7 +149,7 @@ def test_reports_of_several_ranks_sum() -> None:
     results = [step(w, plan) for w in ranks]
     total = results[0].merge(results[1]).report
     assert total.saves == {1: [2, 0]}
-    assert total.bytes_saved == sum(r.report.bytes_saved for r in results) > 0
+    assert total.bytes_stored == sum(r.report.bytes_stored for r in results) > 0
     for w in ranks:
         w.close()
 
@@ -162,9 +162,9 @@ def test_each_job_that_finished_ok_is_reported_with_its_bytes_and_seconds() -> N
     res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3), save_job(2, 1, [4, 5], 6)]))
     saves = res.report.jobs
     assert [k for k, _, _ in saves] == ["save", "save"]
-    assert sum(b for _, b, _ in saves) == res.report.bytes_saved and saves[0][1] == saves[1][1]
+    assert sum(b for _, b, _ in saves) == res.report.bytes_stored and saves[0][1] == saves[1][1]
     assert all(s > 0 for _, _, s in saves)
-    assert sum(s for _, _, s in saves) == res.report.save_seconds
+    assert sum(s for _, _, s in saves) == res.report.store_seconds
     res = step(worker, StepPlan(2, loads=[Job(3, "r", [TransferOp(0, 0, [7, 8])]),
                                           Job(4, "q", [TransferOp(0, 9999, [9])])]))
     assert res.report.loads == {3: [1, 0], 4: [0, 1]}

@@ -105,7 +105,7 @@ class WorkerReport:
     ``corrupt``: per load or verify job, the (slot class, slot) pairs whose bytes did not
     match their checksum on some rank; ``checksum_failures``: jobs that failed so, per rank.
 
-    ``bytes_saved``/``bytes_loaded`` and ``save_seconds``/``load_seconds``: per direction, the
+    ``bytes_stored``/``bytes_loaded`` and ``store_seconds``/``load_seconds``: per direction, the
     bytes of the finished jobs and their :attr:`~kvtier.transfer.Completion.busy_seconds`
     (each job's share of its rank's link busy time), summed over jobs and ranks. Bytes over
     seconds is then at most the rate one rank's link achieved (every rank moves its own bytes
@@ -117,9 +117,9 @@ class WorkerReport:
     verifies: dict[int, list[int]] = field(default_factory=dict)
     corrupt: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     checksum_failures: int = 0
-    bytes_saved: int = 0
+    bytes_stored: int = 0
     bytes_loaded: int = 0
-    save_seconds: float = 0.0
+    store_seconds: float = 0.0
     load_seconds: float = 0.0
     fences_waited: int = 0
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
@@ -137,9 +137,9 @@ class WorkerReport:
             known = self.corrupt.setdefault(job, [])
             known.extend(p for p in pairs if p not in known)
         self.checksum_failures += other.checksum_failures
-        self.bytes_saved += other.bytes_saved
+        self.bytes_stored += other.bytes_stored
         self.bytes_loaded += other.bytes_loaded
-        self.save_seconds += other.save_seconds
+        self.store_seconds += other.store_seconds
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
         self.jobs.extend(other.jobs)

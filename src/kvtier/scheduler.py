@@ -53,6 +53,7 @@ from kvtier.policy import make_admission, make_policy
 from kvtier.prepare import ChunkRef, Preparation
 from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
+from kvtier.tiers import DRAM
 from kvtier.tiers.schedule import LowerTier, TierScheduler
 
 
@@ -110,6 +111,7 @@ class RequestState:
     last_decline: Decline | None = None
     preparation: Preparation | None = None  # prepare before promise (kvtier.prepare)
     prepare_declined: Decline | None = None  # set: no more preparations, no hit
+    hit_sources: dict[str, int] = field(default_factory=dict)  # the promised hit, per tier
 
 
 @dataclass
@@ -154,6 +156,11 @@ class SchedulerStats:
     prepare_deferrals: int = 0  # lookups answered "ask again" while a hit was prepared
     prepare_timeouts: int = 0  # requests whose preparation passed the bound
     corrupt_chunks: int = 0  # stored chunks dropped because their bytes did not verify
+    # per tier name (kvtier.tiers.TIER_NAMES), per final lookup answer: it promised tokens the
+    # tier held (hit), or the tier was asked and provided none (miss); the tokens it provided
+    tier_hits: Counter = field(default_factory=Counter)
+    tier_misses: Counter = field(default_factory=Counter)
+    tier_hit_tokens: Counter = field(default_factory=Counter)
 
 
 class OffloadScheduler:
@@ -253,6 +260,7 @@ class OffloadScheduler:
                 return None
             hit = prepared
         self.stats.lookups += 1
+        st.hit_sources = self._count_tiers(st, hit)
         if hit.ok:
             st.pending_hit = (hit, hbm_tokens)
             return hit.tokens
@@ -261,6 +269,35 @@ class OffloadScheduler:
             st.last_decline = hit.reason
             self.stats.declined[hit.reason.value] += 1
         return 0
+
+    def hit_sources(self, req_id: str) -> dict[str, int]:
+        """The request's promised hit per tier name (``kvtier.tiers.TIER_NAMES``): tokens a
+        lower tier promoted into DRAM for it, and the rest DRAM's; only tiers above 0, summing
+        to the tokens promised ({} without a promise)."""
+        st = self.requests.get(req_id)
+        return dict(st.hit_sources) if st is not None else {}
+
+    def _count_tiers(self, st: RequestState, hit: Hit) -> dict[str, int]:
+        """Each tier's part in one final lookup answer, counted and returned (tiers above 0):
+        DRAM is asked by every lookup; a lower tier when a promotion could improve on DRAM's
+        answer. Tokens a lower tier promoted for this request are its hit, the rest DRAM's."""
+        parts: dict[str, int] = {}
+        below = 0
+        if self.tier is not None:
+            asked, below = self.tier.answered(st.preparation, hit)
+            if asked:
+                self._count_tier(self.tier.tier.name, below)
+                parts[self.tier.tier.name] = below
+        parts[DRAM] = hit.tokens - below if hit.ok else 0
+        self._count_tier(DRAM, parts[DRAM])
+        return {name: n for name, n in parts.items() if n > 0}
+
+    def _count_tier(self, name: str, tokens: int) -> None:
+        if tokens > 0:
+            self.stats.tier_hits[name] += 1
+            self.stats.tier_hit_tokens[name] += tokens
+        else:
+            self.stats.tier_misses[name] += 1
 
     def _decide(self, st: RequestState, tokens: Sequence[int], hbm_tokens: int) -> Hit:
         if not self.loads_enabled:

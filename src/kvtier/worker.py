@@ -129,7 +129,7 @@ class OffloadWorker:
         self.total_fences_waited = 0  # fences that found their save still pending, ever
         self.failures = 0  # failed transfer jobs, ever
         self.checksum_failures = 0  # loads and verifies whose slots did not verify, ever
-        self.total_bytes_saved = 0
+        self.total_bytes_stored = 0
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
         self._tier_store = tier_store or default_tier_store(config)
@@ -238,9 +238,9 @@ class OffloadWorker:
             rep.jobs.append((str(c.kind), c.nbytes, c.seconds))
         if c.kind == JobKind.SAVE:
             rep.saves[c.job_id] = [1, 0] if c.ok else [0, 1]
-            rep.bytes_saved += c.nbytes
-            rep.save_seconds += c.busy_seconds
-            self.total_bytes_saved += c.nbytes
+            rep.bytes_stored += c.nbytes
+            rep.store_seconds += c.busy_seconds
+            self.total_bytes_stored += c.nbytes
             return
         req_id, blocks = self._load_reqs.pop(c.job_id)
         ok = c.ok

@@ -115,6 +115,13 @@ def test_metrics_carry_every_kvtier_series(server: tuple[str, str]) -> None:
         s, "vllm:kvtier_loads_total", outcome="started") >= 3
     assert _v(s, "vllm:kvtier_lookups_total") >= len(results)
     assert _v(s, "vllm:kvtier_loads_declined_total", reason=Decline.MISS.value) >= 3
+    # per tier: DRAM answers every lookup; no disk tier here, so its series stay 0
+    assert _v(s, "vllm:kvtier_tier_hits_total", tier="dram") + _v(
+        s, "vllm:kvtier_tier_misses_total", tier="dram") == _v(s, "vllm:kvtier_lookups_total")
+    assert _v(s, "vllm:kvtier_tier_hits_total", tier="dram") >= _v(s, "vllm:kvtier_hits_total")
+    assert _v(s, "vllm:kvtier_tier_hit_tokens_total", tier="dram") >= restored
+    for name in ("tier_hits", "tier_misses", "tier_hit_tokens"):
+        assert _v(s, f"vllm:kvtier_{name}_total", tier="disk") == 0
     # every reason is exported; those this server and traffic cannot cause read 0: one
     # full-attention group (no window, no state), no extra keys, every prompt longer than a
     # chunk, loads on, cost model off, no load failed

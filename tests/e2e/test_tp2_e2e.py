@@ -75,7 +75,7 @@ def test_tp2_each_rank_its_own_shard_and_a_one_rank_failure(
     assert all(p.checksums_equal and p.tokens_equal and p.logprobs_equal for p in res.prompts)
     facts = sorted(llm.collective_rpc(rpc_worker_facts), key=lambda f: f["rank"])
     assert [f["rank"] for f in facts] == [0, 1]
-    assert all(f["shards"] == 2 and f["writes"] and f["bytes_saved"] > 0 for f in facts)
+    assert all(f["shards"] == 2 and f["writes"] and f["bytes_stored"] > 0 for f in facts)
     # a load that fails on rank 1 only: the request recomputes, output unchanged
     assert llm.collective_rpc(rpc_fail_next_loads, args=(1, 1)) == [False, True]
     res = restore_check(h, [prompt(2 * C + 5, seed=9)], greedy())
@@ -126,6 +126,6 @@ def test_tp2_mla_is_stored_once_and_loaded_by_both_ranks(
     assert p.checksums_equal and p.tokens_equal and p.logprobs_equal  # on both ranks
     facts = sorted(llm.collective_rpc(rpc_worker_facts), key=lambda f: f["rank"])
     assert all(f["replicated"] and f["shards"] == 1 for f in facts)
-    assert facts[0]["writes"] and facts[0]["bytes_saved"] > 0
-    assert not facts[1]["writes"] and facts[1]["bytes_saved"] == 0  # one copy, not two
+    assert facts[0]["writes"] and facts[0]["bytes_stored"] > 0
+    assert not facts[1]["writes"] and facts[1]["bytes_stored"] == 0  # one copy, not two
     assert facts[1]["bytes_loaded"] == facts[0]["bytes_loaded"] > 0  # both ranks loaded it

@@ -185,7 +185,7 @@ def rpc_worker_facts(worker: Any) -> dict[str, Any]:
 
     w = get_kv_transfer_group().worker_side.worker
     return {"rank": w.rank, "shards": w.slab_layout.num_shards, "writes": w.writes,
-            "replicated": w.replicated, "bytes_saved": w.total_bytes_saved,
+            "replicated": w.replicated, "bytes_stored": w.total_bytes_stored,
             "bytes_loaded": w.total_bytes_loaded}
 
 

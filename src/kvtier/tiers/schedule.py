@@ -264,6 +264,16 @@ class TierScheduler:
             self.stats.hits += 1
             self.stats.hit_tokens += min(tokens, prep.promoted_tokens)
 
+    def answered(self, prep: Preparation | None, hit: Hit) -> tuple[bool, int]:
+        """For a final lookup answer ``hit`` (after the DRAM answer and any promotion) of a
+        request prepared by ``prep``: whether this tier was asked (DRAM's answer was one a
+        promotion may improve on, or a promotion was considered for the request), and how
+        many of the promised tokens it provided (those its landed promotion brought)."""
+        asked = (prep is not None and prep.promotion_tried) or hit.reason in IMPROVABLE
+        landed = prep is not None and prep.promotion is None and prep.promoted_tokens > 0
+        provided = min(hit.tokens, prep.promoted_tokens) if hit.ok and landed else 0  # type: ignore[union-attr]
+        return asked, provided
+
     def note_saved(self, entry: Entry) -> None:
         """A save committed ``entry`` to DRAM (a write-through tier copies it; this one waits
         for eviction)."""

@@ -25,8 +25,29 @@ try:  # vLLM 0.32: cached prompt tokens by tier (vllm:prompt_tokens_cached_by_so
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     HOST_CACHE_HIT_SOURCE: Any = CacheHitSource.HOST
+    # kvtier's tier names -> vLLM's; a tier vLLM has no name for (a remote store) is
+    # external_unspecified, as vLLM's docs say for remote stores
+    _TIER_SOURCES: dict[str, Any] = {"dram": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+    _UNNAMED_SOURCE: Any = CacheHitSource.EXTERNAL_UNSPECIFIED
 except ImportError:  # vLLM 0.25.1: no tiers in its stats
     HOST_CACHE_HIT_SOURCE = None
+    _TIER_SOURCES, _UNNAMED_SOURCE = {}, None
+
+
+def cache_hit_sources(per_tier: dict[str, int], num_external_tokens: int) -> dict[Any, int]:
+    """vLLM 0.32's split of a promised hit by ``CacheHitSource`` from kvtier's split by tier
+    name (:meth:`kvtier.scheduler.OffloadScheduler.hit_sources`). The counts must sum to
+    ``num_external_tokens``; where kvtier's do not (a hit vLLM got otherwise), all of them
+    are host-memory tokens, as ``_cache_hit_source`` says."""
+    if num_external_tokens == 0 or HOST_CACHE_HIT_SOURCE is None:
+        return {}
+    if sum(per_tier.values()) != num_external_tokens:
+        return {HOST_CACHE_HIT_SOURCE: num_external_tokens}
+    out: dict[Any, int] = {}
+    for tier, n in per_tier.items():
+        source = _TIER_SOURCES.get(tier, _UNNAMED_SOURCE)
+        out[source] = out.get(source, 0) + n
+    return out
 
 try:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys

@@ -42,8 +42,8 @@ from kvtier.vllm.worker_side import EngineFactory, WorkerSide, transfer_engine_f
 
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
-    # 0.32: kvtier's hits are host-memory hits in vllm:prompt_tokens_cached_by_source (one
-    # tier today; with lower tiers, per request through get_external_cache_hit_sources)
+    # 0.32: kvtier's hits are host-memory hits in vllm:prompt_tokens_cached_by_source, and
+    # with a disk tier split per request (get_external_cache_hit_sources); 0.25.1 has neither
     if compat.HOST_CACHE_HIT_SOURCE is not None:
         _cache_hit_source = compat.HOST_CACHE_HIT_SOURCE
 
@@ -89,6 +89,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
         if num_external_tokens > 0:
             self.timings.load_started(request.request_id)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[Any, int]:
+        return self.scheduler_side.cache_hit_sources(request, num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Any, **kwargs: Any) -> tuple[int, ...]:
         return self.scheduler_side.get_loaded_kv_cache_group_ids()

@@ -13,7 +13,14 @@ come from:
 
 A counter's series are stats keys (``series``), or, for a family keyed by a reason, every
 ``<prefix><reason>`` key (``reasons``). Gauge keys start with ``gauge_`` (levels, not deltas).
-Stats keys and metric names never change: dashboards and ``kvtier bench`` read them.
+Metric names never change without a deprecated alias kept one release (dashboards and
+``kvtier bench`` read them); stats keys change only with a CHANGELOG entry (vLLM's logged
+stats line shows them).
+
+Words: a *save* is the job that copies one chunk into the DRAM tier (``saves_*``: chunks by
+outcome); the bytes it moves are the ``store`` direction, and so are its stats keys
+(``bytes_stored``, ``store_seconds``, ``store_jobs``). ``tier_*`` families carry the tier
+name (:data:`kvtier.tiers.TIER_NAMES`): each final lookup answer, once per tier it asked.
 
 A :class:`Histogram` is one Prometheus histogram ``vllm:kvtier_<name>``; its stats keys start
 with ``obs_`` and carry a list of observations (one per transfer job, lookup or load), which
@@ -33,6 +40,7 @@ from typing import Any
 
 from kvtier.planner import Decline
 from kvtier.protocol import JobKind, SaveDrop
+from kvtier.tiers import DRAM, TIER_NAMES
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 SCHEDULER, WORKER, DERIVED = "scheduler", "worker", "derived"
@@ -40,7 +48,8 @@ GAUGE_PREFIX = "gauge_"
 OBS_PREFIX = "obs_"
 PREFIX = "vllm:kvtier_"
 STORE, LOAD = "store", "load"
-TIER = "dram"  # the one tier today; the histograms carry it so lower tiers add series only
+TIER = DRAM  # the transfer histograms' tier: the slab (a lower tier's bytes are disk_*)
+_DRAM = (("tier", TIER),)  # the KV cache <-> DRAM transfers
 DEPRECATED_LABELS: dict[tuple[str, str], str] = {("direction", STORE): "save"}
 """(label, value) -> the old value also exported, with the same numbers, until 0.3."""
 
@@ -65,6 +74,11 @@ class Metric:
     series: tuple[Series, ...] = ()
     reasons: tuple[str, ...] = ()  # a reason family: key ``series[0].key + reason``
     reasons_of: Callable[[Any], dict[str, int]] | None = None  # reason -> count, from source
+    fixed: tuple[tuple[str, str], ...] = ()  # labels the same on every series (the tier)
+
+    def labels(self, value: str = "") -> dict[str, str]:
+        """The labels of the series whose ``label`` is ``value`` (or of the only series)."""
+        return {**({self.label: value} if self.label else {}), **dict(self.fixed)}
 
     @property
     def full_name(self) -> str:
@@ -126,6 +140,22 @@ METRICS: tuple[Metric, ...] = (
     Metric("hit_tokens", COUNTER, SCHEDULER,
            "Prompt tokens kvtier promised to vLLM (decided loads).",
            series=_one("hit_tokens", lambda s: s.stats.hit_tokens)),
+    Metric("tier_hits", COUNTER, SCHEDULER,
+           "Lookups whose answer promised tokens this tier held, per tier (the tokens "
+           "beyond the HBM hit and the tiers above it).", label="tier",
+           series=(Series("tier_hits_"),), reasons=TIER_NAMES,
+           reasons_of=lambda s: s.stats.tier_hits),
+    Metric("tier_misses", COUNTER, SCHEDULER,
+           "Lookups that asked this tier and were promised none of its tokens (nothing "
+           "stored there, or the load declined: loads_declined says why), per tier. DRAM is "
+           "asked by every lookup; a lower tier by those whose DRAM answer a promotion could "
+           "improve on.",
+           label="tier", series=(Series("tier_misses_"),), reasons=TIER_NAMES,
+           reasons_of=lambda s: s.stats.tier_misses),
+    Metric("tier_hit_tokens", COUNTER, SCHEDULER,
+           "Prompt tokens promised from each tier (tier_hits' tokens).", label="tier",
+           series=(Series("tier_hit_tokens_"),), reasons=TIER_NAMES,
+           reasons_of=lambda s: s.stats.tier_hit_tokens),
     Metric("restored_tokens", COUNTER, SCHEDULER,
            "Prompt tokens restored from kvtier by loads that completed on every rank "
            "(prefill work avoided).",
@@ -149,28 +179,29 @@ METRICS: tuple[Metric, ...] = (
            series=_one("evictions", lambda s: s.index.evictions)),
     Metric("transfer_bytes", COUNTER, WORKER,
            "Bytes moved between the KV cache and the DRAM tier, per direction "
-           "(store: device to host).", label="direction",
-           series=_per_direction("bytes_saved", "bytes_loaded",
-                                 lambda r, k: r.bytes_saved if k is JobKind.SAVE
+           "(store: device to host).", label="direction", fixed=_DRAM,
+           series=_per_direction("bytes_stored", "bytes_loaded",
+                                 lambda r, k: r.bytes_stored if k is JobKind.SAVE
                                  else r.bytes_loaded)),
     Metric("transfer_seconds", COUNTER, WORKER,
            "Seconds the host link was busy with transfers, per direction (summed over "
            "ranks; jobs that moved at once count their shared time once).",
-           label="direction",
-           series=_per_direction("save_seconds", "load_seconds",
-                                 lambda r, k: r.save_seconds if k is JobKind.SAVE
+           label="direction", fixed=_DRAM,
+           series=_per_direction("store_seconds", "load_seconds",
+                                 lambda r, k: r.store_seconds if k is JobKind.SAVE
                                  else r.load_seconds)),
     Metric("transfer_jobs", COUNTER, WORKER,
            "Transfer jobs finished by workers, per direction (one per rank).",
-           label="direction",
-           series=_per_direction("save_jobs", "load_jobs",
+           label="direction", fixed=_DRAM,
+           series=_per_direction("store_jobs", "load_jobs",
                                  lambda r, k: len(r.saves if k is JobKind.SAVE else r.loads))),
     Metric("transfer_gbps", GAUGE, DERIVED,
            "Deprecated (removed in 0.3): GB/s of the latest step that moved bytes, per "
            "direction; use the transfer_throughput_gbps histogram or "
            "rate(transfer_bytes_total) / rate(transfer_seconds_total).", label="direction",
+           fixed=_DRAM,
            series=(Series("", STORE,
-                          lambda d: _gbps(d, "bytes_saved", "save_seconds")),
+                          lambda d: _gbps(d, "bytes_stored", "store_seconds")),
                    Series("", LOAD,
                           lambda d: _gbps(d, "bytes_loaded", "load_seconds")))),
     Metric("transfer_failures", COUNTER, WORKER,
@@ -389,11 +420,11 @@ def series_of_key(key: str) -> tuple[Metric, dict[str, str]] | None:
     known = BY_KEY.get(key)
     if known is not None:
         m, s = known
-        return m, ({m.label: s.label} if m.label else {})
+        return m, m.labels(s.label)
     for m in REASON_FAMILIES:
         prefix = m.series[0].key
         if key.startswith(prefix):
-            return m, {m.label: key[len(prefix):]}
+            return m, m.labels(key[len(prefix):])
     return None
 
 
@@ -406,8 +437,10 @@ def render_markdown() -> str:
             labels = f"`{m.label}`: " + ", ".join(f"`{r}`" for r in m.reasons)
             keys = f"`{m.series[0].key}<{m.label}>`"
         else:
-            labels = (f"`{m.label}`: " + ", ".join(_label_doc(m.label, s.label)
-                                                   for s in m.series) if m.label else "")
+            labels = "; ".join(
+                [*([f"`{m.label}`: " + ", ".join(_label_doc(m.label, s.label)
+                                                 for s in m.series)] if m.label else []),
+                 *(f"`{k}`: `{v}`" for k, v in m.fixed)])
             keys = ", ".join(f"`{s.key}`" for s in m.series if s.key) or "(computed)"
         rows.append(f"| `{m.full_name}` | {m.type} | {labels} | {keys} | {m.source} "
                     f"| {m.doc} |")

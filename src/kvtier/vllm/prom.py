@@ -8,7 +8,8 @@ scheduler half's counters). Contract:
 - Keys without the ``gauge_`` prefix are counter *increments*; ``gauge_*`` keys are levels.
 - Every key in the table of :mod:`kvtier.vllm.counters` maps to one series (a metric plus
   fixed labels); ``declined_<reason>`` and ``saves_dropped_<reason>`` map to a ``reason``
-  label. A key the table does not know still appears, as ``vllm:kvtier_<key>_total`` (or
+  label, ``tier_hits_<tier>``, ``tier_misses_<tier>`` and ``tier_hit_tokens_<tier>`` to a
+  ``tier`` label. A key the table does not know still appears, as ``vllm:kvtier_<key>_total`` (or
   ``vllm:kvtier_<key>`` for a gauge), so new stats are never silently lost.
 - ``obs_*`` keys are lists of observations, each observed once into its histogram
   (:data:`kvtier.vllm.counters.HISTOGRAMS`); an ``obs_`` key the table does not know is
@@ -86,11 +87,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             for m in METRICS:
                 if m.reasons:
                     for reason in m.reasons:
-                        self._series(engine, m.type, m.name, {m.label: reason})
+                        self._series(engine, m.type, m.name, m.labels(reason))
                     continue
                 for series in m.series:
-                    self._series(engine, m.type, m.name,
-                                 {m.label: series.label} if m.label else {})
+                    self._series(engine, m.type, m.name, m.labels(series.label))
 
     def _histogram_family(self, h: Histogram) -> Any:
         extra = list(h.labels(h.series[0]))
@@ -161,8 +161,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             for series in m.series:
                 value = series.read(data)
                 if value is not None:
-                    self._series(engine_idx, m.type, m.name,
-                                 {m.label: series.label} if m.label else {}).set(value)
+                    self._series(engine_idx, m.type, m.name, m.labels(series.label)).set(value)
 
 
 class _Both:

@@ -174,6 +174,12 @@ class SchedulerSide:
         block_ids = groups.to_kvtier(blocks.get_block_ids())
         self.scheduler.start_load(request.request_id, num_external_tokens, block_ids)
 
+    def cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM 0.32: the promised tokens of ``request`` by tier (DRAM: host; disk: disk)."""
+        per_tier = (self.scheduler.hit_sources(request.request_id)
+                    if self.scheduler is not None else {})
+        return compat.cache_hit_sources(per_tier, num_external_tokens)
+
     def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
         if self.setup.groups is None:
             return ()

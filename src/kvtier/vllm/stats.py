@@ -44,11 +44,11 @@ class KvtierStats(KVConnectorStats):
                     out[f"{k}_mean"] = round(sum(v) / len(v), 6)
             else:
                 out[k] = v
-        for direction in ("saved", "loaded"):
-            b = self.data.get(f"bytes_{direction}", 0)
-            s = self.data.get(f"{'save' if direction == 'saved' else 'load'}_seconds", 0.0)
+        for done, direction in (("stored", "store"), ("loaded", "load")):
+            b = self.data.get(f"bytes_{done}", 0)
+            s = self.data.get(f"{direction}_seconds", 0.0)
             if b and s:
-                out[f"gbps_{direction}"] = round(b / s / 1e9, 3)
+                out[f"gbps_{done}"] = round(b / s / 1e9, 3)
         return out
 
     def is_empty(self) -> bool:
