@@ -116,21 +116,28 @@ def _print_config(as_json: bool) -> int:
     return 0
 
 
+def _store(argv: list[str]) -> int:
+    from kvtier.store import main as store_main
+
+    p = argparse.ArgumentParser(prog="kvtier store", allow_abbrev=False,
+                                description=store_main.HELP)
+    store_main.add_arguments(p)
+    return store_main.run(p.parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = _with_default_bench(list(sys.argv[1:] if argv is None else argv))
     if args_in == ["--version"]:  # before build_parser, which imports pydantic
         print(version_line())
         return 0
+    if args_in[:1] == ["store"]:  # the store imports no vLLM and no benches
+        return _store(args_in[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(args_in)
     if args.command != "serve" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "config":
         return _print_config(args.json)
-    if args.command == "store":
-        from kvtier.store import main as store_main
-
-        return store_main.run(args)
     if args.command == "bench":
         return int(_bench_modules()[args.bench].run(args))
 

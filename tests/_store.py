@@ -1,0 +1,112 @@
+"""A real ``kvtier store`` process for the store tests, and an engine's two halves attached
+to it (the scheduler through :class:`~kvtier.store.index.StoreIndex`, the worker's slab in
+the store's pool), wired as tests/_tier.py wires the in-process tier."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
+from _tier import Tier
+from kvtier.index.memory import GroupIndexSpec
+from kvtier.scheduler import OffloadScheduler
+from kvtier.slab import HostSlab, SlabLayout
+from kvtier.store.attach import MapTiming, store_slab
+from kvtier.store.client import StoreClient
+from kvtier.store.index import StoreIndex, attach_spec
+from kvtier.worker import OffloadWorker
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+class StoreProcess:
+    """``python -m kvtier.cli store`` on a socket under ``directory``."""
+
+    def __init__(self, directory: Path, size: str = "64MiB", lease_ttl: float = 30.0) -> None:
+        self.path = str(directory / "store.sock")
+        self.url = "unix://" + self.path
+        self.size, self.lease_ttl = size, lease_ttl
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 60.0) -> StoreProcess:
+        env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "store", "--socket", self.path,
+             "--size", self.size, "--lease-ttl", str(self.lease_ttl)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "ready on" not in line or time.monotonic() > deadline:
+            self.stop()
+            raise RuntimeError(f"the store did not start: {line!r}")
+        self.ready_line = line.strip()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup of any kind runs in the store."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc = None
+
+
+class StoreTier(Tier):
+    """:class:`Tier` with both halves attached to the store at ``url``."""
+
+    def __init__(self, url: str, seed: int = 0, namespace: bytes = b"t" * 16,
+                 retry_seconds: float = 0.2, timeout: float = 2.0) -> None:
+        self.config = CONFIG.model_copy(update={"cost_model": False})
+        self.kv = SmallKV(seed=seed)
+        self.timing = MapTiming()
+        self.url, self.namespace = url, namespace
+        self.store_index: StoreIndex | None = None
+        self.worker_client = StoreClient(url, timeout)
+        self.worker = OffloadWorker(self.config, self.kv.layout, CHUNK_TOKENS,
+                                    slab_factory=self._slab)
+        self.sched = OffloadScheduler(self.config, self.worker.geometry, namespace,
+                                      self.worker.slab_layout, index_factory=self._index)
+        self._retry, self._timeout = retry_seconds, timeout
+
+    def _slab(self, layout: SlabLayout) -> HostSlab:
+        # the worker's own connection, as a worker process holds one (for the pool fd)
+        return store_slab(layout, self._attach_worker(layout), timing=self.timing)
+
+    def _attach_worker(self, layout: SlabLayout):  # type: ignore[no-untyped-def]
+        # the scheduler half attaches first in an engine; here the worker may be first,
+        # so it attaches with the scheduler's spec, derived alike
+        from kvtier.geometry import Geometry
+
+        geo = Geometry.of_layout(self.kv.layout, CHUNK_TOKENS)
+        specs = [GroupIndexSpec(slot_class=c, policy=None, chained=g in geo.full_groups,  # type: ignore[arg-type]
+                                boundary_state=g in geo.state_groups)
+                 for g, c in enumerate(geo.slot_classes)]
+        return self.worker_client.connect(attach_spec(self.namespace, specs, layout))
+
+    def _index(self, specs: Sequence[GroupIndexSpec], layout: SlabLayout) -> StoreIndex:
+        self.store_index = StoreIndex(StoreClient(self.url, getattr(self, "_timeout", 2.0)),
+                                      attach_spec(self.namespace, specs, layout),
+                                      retry_seconds=getattr(self, "_retry", 0.2))
+        return self.store_index
+
+    def close(self) -> None:
+        super().close()
+        self.worker_client.close()
+        if self.store_index is not None:
+            self.store_index.client.close()

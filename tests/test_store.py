@@ -1,0 +1,149 @@
+"""The node-wide store (issue 18) on CPU: a real ``kvtier store`` process, real sockets,
+real engines' halves (the scheduler and a CPU worker on tests/_small_kv.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from _store import StoreProcess, StoreTier
+from _tier import FULL_B, prompt
+from kvtier.store import framing
+from kvtier.store.client import StoreClient, StoreRefused
+from kvtier.store.pool import map_pool
+
+SPEC = {"namespace": b"raw", "arena_bytes": 4 * 2**20, "slots": [4],
+        "groups": [[0, True, False]]}
+
+
+@pytest.fixture
+def store(tmp_path):  # type: ignore[no-untyped-def]
+    s = StoreProcess(tmp_path).start()
+    yield s
+    s.stop()
+
+
+def _raw(url: str, spec: dict = SPEC) -> tuple[StoreClient, int]:  # type: ignore[type-arg]
+    c = StoreClient(url)
+    return c, c.connect(spec).pool_fd
+
+
+def test_socket_is_private_and_the_pool_comes_as_a_descriptor(store: StoreProcess) -> None:
+    st = os.stat(store.path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    c, fd = _raw(store.url)
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+        assert link.startswith("/memfd:kvtier-store-pool"), link  # no name in any directory
+        assert os.fstat(fd).st_size == 64 * 2**20
+    finally:
+        os.close(fd)
+        c.close()
+
+
+def test_a_peer_of_another_uid_is_refused() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another uid")
+    where = Path(tempfile.mkdtemp(dir="/tmp"))
+    os.chmod(where, 0o711)  # nobody may reach the socket through the directory
+    store = StoreProcess(where).start()
+    try:
+        _refused_as_nobody(store)
+    finally:
+        store.stop()
+        shutil.rmtree(where)
+
+
+def _refused_as_nobody(store: StoreProcess) -> None:
+    os.chmod(store.path, 0o666)  # past the file mode: only the credentials check is left
+    pid = os.fork()
+    if pid == 0:  # the child becomes nobody and tries to attach
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(store.path)
+            code = 2  # connected: now the store must close without an answer
+            try:
+                framing.send(s, {"op": "attach", "id": 1, **SPEC})
+                framing.recv(s)
+            except ConnectionError:  # closed (reset, or EOF) without an answer
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    c, fd = _raw(store.url)  # and the store still serves its owner
+    os.close(fd)
+    c.close()
+
+
+def test_garbage_on_the_socket_closes_only_that_connection(store: StoreProcess) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(store.path)
+    s.sendall(b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1")  # a frame that is no msgpack map
+    try:
+        closed = s.recv(100) == b""  # the store closed it without an answer
+    except ConnectionResetError:
+        closed = True
+    assert closed
+    c, fd = _raw(store.url)
+    os.close(fd)
+    with pytest.raises(StoreRefused, match="unknown op"):
+        c.call("nonsense")
+    assert c.call("stats")["stored"] == 0
+    c.close()
+    s.close()
+
+
+def test_two_engines_share_hits_through_the_pool_with_no_staging_copy(
+        store: StoreProcess) -> None:
+    a, b = StoreTier(store.url, seed=1), StoreTier(store.url, seed=2)
+    try:
+        toks = prompt(3)
+        a.prefill("r", toks)
+        n, res = b.restore("r", toks)
+        assert n == 96 and not res.failed_loads
+        for i, blk in enumerate(FULL_B[:6]):  # engine B now holds engine A's bytes
+            want = a.kv.attn_block(list(range(1, 8))[i])
+            for x, y in zip(b.kv.attn_block(blk), want):
+                assert torch.equal(x, y)
+        # both workers' slabs are views of one memfd: A's bytes are in B's mapping and in
+        # a third mapping of the descriptor, at the arena offset + slot offset
+        c, fd = _raw(store.url, {**a.store_index.spec})  # type: ignore[union-attr]
+        view = map_pool(fd, 64 * 2**20)
+        os.close(fd)
+        lay, att = a.worker.slab_layout, a.store_index.attachment  # type: ignore[union-attr]
+        base = att.arena_offset + lay.offset(0, 0)  # type: ignore[union-attr]
+        size = lay.classes[0].slot_bytes
+        raw = bytes(view[base : base + size])
+        assert raw == bytes(a.worker.slab.view(0, 0).numpy())
+        assert raw == bytes(b.worker.slab.view(0, 0).numpy())
+        for slab in (a.worker.slab, b.worker.slab):  # every slot view inside its mapping
+            m = slab._mmap
+            lo = ctypes.addressof(ctypes.c_char.from_buffer(m))  # type: ignore[arg-type]
+            for cls, sc in enumerate(lay.classes):
+                for s in range(sc.num_slots):
+                    v = slab.view(cls, s)
+                    assert lo <= v.data_ptr() and v.data_ptr() + v.numel() <= lo + len(m)
+        c.close()
+        view.close()
+        b.sched.request_finished("r")
+        b.step()
+        for t in (a, b):
+            t.sched.check_drained()
+            assert t.store_index.holds() == {"writes": 0, "pins": 0, "leases": 0}  # type: ignore[union-attr]
+    finally:
+        a.close()
+        b.close()
