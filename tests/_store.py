@@ -14,13 +14,14 @@ from pathlib import Path
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
 from _tier import Tier
+from kvtier.geometry import Geometry
 from kvtier.index.memory import GroupIndexSpec
-from kvtier.scheduler import OffloadScheduler
-from kvtier.slab import HostSlab, SlabLayout
-from kvtier.store.attach import MapTiming, store_slab
+from kvtier.scheduler import OffloadScheduler, StepInput
+from kvtier.slab import SlabLayout
+from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
 from kvtier.store.index import StoreIndex, attach_spec
-from kvtier.worker import OffloadWorker
+from kvtier.worker import OffloadWorker, StepResult
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -68,45 +69,54 @@ class StoreProcess:
 
 
 class StoreTier(Tier):
-    """:class:`Tier` with both halves attached to the store at ``url``."""
+    """:class:`Tier` with both halves attached to the store at ``url``, glued as an engine
+    glues them: the plan carries the index's epoch, the worker follows it, the index polls
+    for the store after each plan."""
 
     def __init__(self, url: str, seed: int = 0, namespace: bytes = b"t" * 16,
                  retry_seconds: float = 0.2, timeout: float = 2.0) -> None:
         self.config = CONFIG.model_copy(update={"cost_model": False})
         self.kv = SmallKV(seed=seed)
-        self.timing = MapTiming()
         self.url, self.namespace = url, namespace
-        self.store_index: StoreIndex | None = None
-        self.worker_client = StoreClient(url, timeout)
-        self.worker = OffloadWorker(self.config, self.kv.layout, CHUNK_TOKENS,
-                                    slab_factory=self._slab)
-        self.sched = OffloadScheduler(self.config, self.worker.geometry, namespace,
-                                      self.worker.slab_layout, index_factory=self._index)
         self._retry, self._timeout = retry_seconds, timeout
-
-    def _slab(self, layout: SlabLayout) -> HostSlab:
-        # the worker's own connection, as a worker process holds one (for the pool fd)
-        return store_slab(layout, self._attach_worker(layout), timing=self.timing)
-
-    def _attach_worker(self, layout: SlabLayout):  # type: ignore[no-untyped-def]
-        # the scheduler half attaches first in an engine; here the worker may be first,
-        # so it attaches with the scheduler's spec, derived alike
-        from kvtier.geometry import Geometry
-
+        self.store_index: StoreIndex | None = None
         geo = Geometry.of_layout(self.kv.layout, CHUNK_TOKENS)
         specs = [GroupIndexSpec(slot_class=c, policy=None, chained=g in geo.full_groups,  # type: ignore[arg-type]
                                 boundary_state=g in geo.state_groups)
                  for g, c in enumerate(geo.slot_classes)]
-        return self.worker_client.connect(attach_spec(self.namespace, specs, layout))
+        layout = geo.slab_layout(self.config, 1)
+        self.mapping = StoreMapping(StoreClient(url, timeout),
+                                    attach_spec(namespace, specs, layout))
+        self.worker = OffloadWorker(self.config, self.kv.layout, CHUNK_TOKENS,
+                                    slab_factory=self.mapping.slab)
+        self.sched = OffloadScheduler(self.config, self.worker.geometry, namespace,
+                                      self.worker.slab_layout, index_factory=self._index)
 
     def _index(self, specs: Sequence[GroupIndexSpec], layout: SlabLayout) -> StoreIndex:
-        self.store_index = StoreIndex(StoreClient(self.url, getattr(self, "_timeout", 2.0)),
+        self.store_index = StoreIndex(StoreClient(self.url, self._timeout),
                                       attach_spec(self.namespace, specs, layout),
-                                      retry_seconds=getattr(self, "_retry", 0.2))
+                                      retry_seconds=self._retry)
         return self.store_index
+
+    @property
+    def index(self) -> StoreIndex:
+        assert self.store_index is not None
+        return self.store_index
+
+    def step(self, step: StepInput | None = None) -> StepResult:
+        plan = self.sched.schedule_step(step or StepInput())
+        plan.store_epoch = self.index.epoch if self.index.up else 0
+        w = self.worker
+        assert self.mapping.follow(plan.store_epoch, w.drain)
+        w.fence(plan)
+        w.begin_step(plan)
+        w.end_step(plan)
+        w.drain()
+        res = w.collect()
+        self.sched.on_report(res.report)
+        self.index.poll()
+        return res
 
     def close(self) -> None:
         super().close()
-        self.worker_client.close()
-        if self.store_index is not None:
-            self.store_index.client.close()
+        self.index.client.close()

@@ -124,7 +124,7 @@ def test_two_engines_share_hits_through_the_pool_with_no_staging_copy(
         c, fd = _raw(store.url, {**a.store_index.spec})  # type: ignore[union-attr]
         view = map_pool(fd, 64 * 2**20)
         os.close(fd)
-        lay, att = a.worker.slab_layout, a.store_index.attachment  # type: ignore[union-attr]
+        lay, att = a.worker.slab_layout, a.index.attachment
         base = att.arena_offset + lay.offset(0, 0)  # type: ignore[union-attr]
         size = lay.classes[0].slot_bytes
         raw = bytes(view[base : base + size])
@@ -143,7 +143,7 @@ def test_two_engines_share_hits_through_the_pool_with_no_staging_copy(
         b.step()
         for t in (a, b):
             t.sched.check_drained()
-            assert t.store_index.holds() == {"writes": 0, "pins": 0, "leases": 0}  # type: ignore[union-attr]
+            assert t.index.holds() == {"writes": 0, "pins": 0, "leases": 0}
     finally:
         a.close()
         b.close()

@@ -7,8 +7,11 @@ returns, within the client's timeout. Contract beyond :class:`~kvtier.index.base
   cannot take writes: ``match`` 0 and ``is_ready`` False (the engine recomputes),
   ``reserve`` :attr:`~kvtier.protocol.SaveDrop.FULL`, ``commit`` False; ``unpin``, ``abort``,
   ``discard`` and ``touch`` do nothing (the store released all of it when the connection
-  closed). It never waits for the store beyond one timeout, and tries to attach again at
-  most every ``retry_seconds`` (logged once per outage and once per return).
+  closed). It never waits for the store beyond one timeout. It attaches again only in
+  :meth:`StoreIndex.poll`, at most every ``retry_seconds`` (logged once per outage and once
+  per return), which the engine calls once per step after the step's plan is built: every
+  request of one step belongs to one epoch, the plan's (``epoch``, what the workers follow,
+  :class:`kvtier.store.attach.StoreMapping`).
 - ``pin`` of a chunk the last lookup leased, while the store is down, still returns its
   slot: the lease kept it from eviction and a dead store writes nothing, so a load decided
   before the crash reads the right bytes from the old mapping.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,11 +67,13 @@ class StoreIndex(Index):
         self.attachment: Attachment | None = None
         self._next_try = 0.0
         self._leased: dict[tuple[int, bytes], int] = {}
-        self.outages = 0
-        self.ensure_attached()
+        self.outages = 0  # times the store was found absent or lost
+        self._logged_down = False
+        self.poll()
 
     # -- the connection ---------------------------------------------------------------------
-    def ensure_attached(self) -> bool:
+    def poll(self) -> bool:
+        """Attach again if down and ``retry_seconds`` passed; whether attached now."""
         if self.client.connected:
             return True
         now = self._clock()
@@ -76,29 +82,35 @@ class StoreIndex(Index):
         self._next_try = now + self.retry_seconds
         try:
             att = self.client.connect(self.spec)
-        except StoreDown as e:
-            if self.epoch == 0 or self.attachment is not None:
-                logger.warning("kvtier store unreachable, kvtier serves from recompute and "
-                               "retries every %.0fs: %s", self.retry_seconds, e)
-            self.attachment = None
+        except (StoreDown, StoreRefused) as e:
+            if not self._logged_down:
+                self._logged_down = True
+                self.outages += 1
+                logger.warning("kvtier store unavailable: kvtier serves from recompute and "
+                               "retries every %.1fs (%s)", self.retry_seconds, e)
             return False
         self.epoch += 1
         self.attachment = att
         self._leased.clear()
+        self._logged_down = False
         logger.info("kvtier attached to the store %s (epoch %d)", self.client.path, self.epoch)
         if self.on_attach is not None:
             self.on_attach(att, self.epoch)
+        else:
+            os.close(att.pool_fd)  # the scheduler half maps nothing
         return True
 
     def _call(self, op: str, **args: Any) -> Any:
-        if not self.ensure_attached():
+        if not self.client.connected:
             raise StoreDown("down")
         try:
             return self.client.call(op, **args)
-        except StoreDown:
+        except StoreDown as e:
             self.outages += 1
+            self._logged_down = True
             self._next_try = self._clock() + self.retry_seconds
-            logger.warning("kvtier store connection lost; recomputing until it returns")
+            logger.warning("kvtier store connection lost: recomputing until it returns, "
+                           "retrying every %.1fs (%s)", self.retry_seconds, e)
             raise
 
     @property
