@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         server = StoreServer(path, size, lease_ttl=args.lease_ttl, policy=args.policy)
         reserve_s = time.perf_counter() - t0
-    except (ConfigError, PoolError, OSError) as e:
+    except (ValueError, PoolError, OSError) as e:  # ConfigError is a ValueError
         print(f"kvtier store: {e}", file=sys.stderr)
         return 2
 
