@@ -20,7 +20,7 @@ from kvtier.scheduler import OffloadScheduler, StepInput
 from kvtier.slab import SlabLayout
 from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
-from kvtier.store.index import StoreIndex, attach_spec
+from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
 from kvtier.worker import OffloadWorker, StepResult
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -81,9 +81,7 @@ class StoreTier(Tier):
         self._retry, self._timeout = retry_seconds, timeout
         self.store_index: StoreIndex | None = None
         geo = Geometry.of_layout(self.kv.layout, CHUNK_TOKENS)
-        specs = [GroupIndexSpec(slot_class=c, policy=None, chained=g in geo.full_groups,  # type: ignore[arg-type]
-                                boundary_state=g in geo.state_groups)
-                 for g, c in enumerate(geo.slot_classes)]
+        specs = geometry_specs(geo)
         layout = geo.slab_layout(self.config, 1)
         self.mapping = StoreMapping(StoreClient(url, timeout),
                                     attach_spec(namespace, specs, layout))

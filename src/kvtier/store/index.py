@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.geometry import Geometry
 from kvtier.index.base import Entry, Index, IndexStats
 from kvtier.index.memory import GroupIndexSpec
 from kvtier.protocol import SaveDrop
@@ -49,9 +50,20 @@ class StoreEntry(Entry):
 
 def attach_spec(namespace: bytes, specs: Sequence[GroupIndexSpec],
                 layout: SlabLayout) -> dict[str, Any]:
+    """What an engine attaches with: its namespace, its slab layout (the arena's size and
+    slot counts) and its groups' index specs (the scheduler's, see :func:`geometry_specs`)."""
     return {"namespace": namespace, "arena_bytes": layout.total_bytes,
             "slots": [c.num_slots for c in layout.classes],
             "groups": [[s.slot_class, s.chained, s.boundary_state] for s in specs]}
+
+
+def geometry_specs(geometry: Geometry) -> list[GroupIndexSpec]:
+    """The index specs the scheduler builds for ``geometry`` (policies aside: the store's
+    own), for a worker's attach, which must match its scheduler's."""
+    full, state = set(geometry.full_groups), set(geometry.state_groups)
+    return [GroupIndexSpec(slot_class=c, policy=None, chained=g in full,  # type: ignore[arg-type]
+                           boundary_state=g in state)
+            for g, c in enumerate(geometry.slot_classes)]
 
 
 class StoreIndex(Index):
