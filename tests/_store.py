@@ -1,16 +1,10 @@
-"""A real ``kvtier store`` process for the store tests, and an engine's two halves attached
-to it (the scheduler through :class:`~kvtier.store.index.StoreIndex`, the worker's slab in
+"""An engine's two halves attached to a real store (:class:`kvtier.testing.store_process.
+StoreProcess`) (the scheduler through :class:`~kvtier.store.index.StoreIndex`, the worker's slab in
 the store's pool), wired as tests/_tier.py wires the in-process tier."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
 from _tier import Tier
@@ -21,51 +15,8 @@ from kvtier.slab import SlabLayout
 from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
 from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
+from kvtier.testing.store_process import SRC, StoreProcess
 from kvtier.worker import OffloadWorker, StepResult
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-class StoreProcess:
-    """``python -m kvtier.cli store`` on a socket under ``directory``."""
-
-    def __init__(self, directory: Path, size: str = "64MiB", lease_ttl: float = 30.0) -> None:
-        self.path = str(directory / "store.sock")
-        self.url = "unix://" + self.path
-        self.size, self.lease_ttl = size, lease_ttl
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, timeout: float = 60.0) -> StoreProcess:
-        env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "store", "--socket", self.path,
-             "--size", self.size, "--lease-ttl", str(self.lease_ttl)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "ready on" not in line or time.monotonic() > deadline:
-            self.stop()
-            raise RuntimeError(f"the store did not start: {line!r}")
-        self.ready_line = line.strip()
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup of any kind runs in the store."""
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-            self.proc = None
 
 
 class StoreTier(Tier):
@@ -118,3 +69,6 @@ class StoreTier(Tier):
     def close(self) -> None:
         super().close()
         self.index.client.close()
+
+
+__all__ = ["SRC", "StoreProcess", "StoreTier"]
