@@ -16,8 +16,10 @@ import torch
 
 from _store import StoreProcess, StoreTier
 from _tier import FULL_B, prompt
+from kvtier.geometry import Geometry
 from kvtier.store import framing
 from kvtier.store.client import StoreClient, StoreRefused
+from kvtier.store.index import StoreIndex
 from kvtier.store.pool import map_pool
 
 SPEC = {"namespace": b"raw", "arena_bytes": 4 * 2**20, "slots": [4],
@@ -147,3 +149,78 @@ def test_two_engines_share_hits_through_the_pool_with_no_staging_copy(
     finally:
         a.close()
         b.close()
+
+
+def test_two_ranks_of_one_engine_write_their_own_shards_in_one_pool(
+        store: StoreProcess) -> None:
+    """TP=2 without vLLM: both ranks' workers map the one pool through their own
+    connections; each writes its own shard of every slot, and a second engine's two ranks
+    read each its own."""
+    from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
+    from kvtier.scheduler import NewRequest, OffloadScheduler, ScheduledTokens, StepInput
+    from kvtier.store.attach import StoreMapping
+    from kvtier.store.index import attach_spec, geometry_specs
+    from kvtier.worker import OffloadWorker
+
+    cfg = CONFIG.model_copy(update={"cost_model": False})
+
+    def engine(seed: int) -> tuple[OffloadScheduler, list[OffloadWorker], list[SmallKV]]:
+        kvs = [SmallKV(seed=seed * 10 + r) for r in range(2)]
+        workers = []
+        for r, kv in enumerate(kvs):
+            geo = Geometry.of_layout(kv.layout, CHUNK_TOKENS)
+            spec = attach_spec(b"tp2" * 5, geometry_specs(geo), geo.slab_layout(cfg, 2))
+            workers.append(OffloadWorker(cfg, kv.layout, CHUNK_TOKENS, rank=r, world_size=2,
+                                         slab_factory=StoreMapping(StoreClient(store.url),
+                                                                   spec).slab))
+        w0 = workers[0]
+        sched = OffloadScheduler(cfg, w0.geometry, b"tp2" * 5, w0.slab_layout, world_size=2,
+                                 index_factory=lambda s, lay: StoreIndex(
+                                     StoreClient(store.url), attach_spec(b"tp2" * 5, s, lay)))
+        return sched, workers, kvs
+
+    sa, wa, ka = engine(1)
+    sb, wb, kb = engine(2)
+    try:
+        toks = prompt(7)
+        full, state = list(range(1, 8)), list(range(1, 5))
+        sa.add_request("p")
+        assert sa.lookup("p", toks, 0) == 0
+        done, first = 0, True
+        while done < len(toks):
+            done = min(len(toks), done + CHUNK_TOKENS)
+            new = [NewRequest("p", [full, state])] if first else []
+            first = False
+            plan = sa.schedule_step(StepInput(new=new, scheduled=[
+                ScheduledTokens("p", toks, done, len(toks))]))
+            _run(sa, wa, plan)
+        sa.request_finished("p")
+        _run(sa, wa, sa.schedule_step(StepInput()))
+        assert sa.stats.saves_committed == 3
+        sb.add_request("q")
+        n = sb.lookup("q", toks, 0)
+        assert n == 96
+        sb.start_load("q", n, [FULL_B, list(range(10, 14))])
+        _run(sb, wb, sb.schedule_step(StepInput(new=[NewRequest("q", [FULL_B, list(range(10, 14))])])))
+        assert sb.stats.loads_ok == 1 and sb.stats.loads_failed == 0
+        for r in range(2):  # each rank of B holds what the same rank of A computed
+            for i, blk in enumerate(FULL_B[:6]):
+                for x, y in zip(kb[r].attn_block(blk), ka[r].attn_block(full[i])):
+                    assert torch.equal(x, y)
+        assert not torch.equal(ka[0].attn_block(1)[0], ka[1].attn_block(1)[0])  # two shards
+    finally:
+        for w in wa + wb:
+            w.close()
+
+
+def _run(sched, workers, plan) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.protocol import WorkerReport
+
+    total = WorkerReport()
+    for w in workers:
+        w.fence(plan)
+        w.begin_step(plan)
+        w.end_step(plan)
+        w.drain()
+        total.add(w.collect().report)
+    sched.on_report(total)
