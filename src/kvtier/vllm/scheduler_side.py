@@ -38,7 +38,12 @@ from kvtier.vllm.hybrid_hits import (
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import stats_payload
-from kvtier.vllm.store_link import engine_namespace, stamp_plan, store_index_factory
+from kvtier.vllm.store_link import (
+    close_index,
+    engine_namespace,
+    stamp_plan,
+    store_index_factory,
+)
 
 logger = get_logger("vllm.connector")
 
@@ -280,9 +285,12 @@ class SchedulerSide:
         return stats_payload(counts, before)
 
     def shutdown(self) -> None:
-        """Release the disk tier's directory lock (the next engine may use it)."""
+        """Release the disk tier's directory lock (the next engine may use it) and the
+        store's connection."""
         if self.disk is not None:
             self.disk.close()
+        if self.scheduler is not None:
+            close_index(self.scheduler.index)
 
     def reset_cache(self) -> bool | None:
         if self.scheduler is not None:

@@ -51,6 +51,12 @@ def stamp_plan(index: object, plan: StepPlan) -> StepPlan:
     return plan
 
 
+def close_index(index: object) -> None:
+    """End the store connection (the store releases what this engine still holds)."""
+    if isinstance(index, StoreIndex):
+        index.client.close()
+
+
 def worker_mapping(setup: ConnectorSetup, geometry: Geometry, num_shards: int) -> StoreMapping:
     url = setup.config.store_url
     assert url is not None
