@@ -4,6 +4,7 @@ equal tokens and logprobs, through the store's index and pool."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,26 @@ def test_a_prefix_one_engine_computed_is_restored_by_the_next(
         b.kvtier.check_drained()
     finally:
         shutdown(b.llm)
+
+
+def test_an_engine_whose_store_is_absent_serves_and_attaches_later(
+        tiny_llama_dir: str, tmp_path: Path) -> None:
+    store = StoreProcess(tmp_path / "later")
+    (tmp_path / "later").mkdir()
+    h = _engine(tiny_llama_dir, store.url)
+    try:
+        index = h.kvtier.index
+        assert isinstance(index, StoreIndex) and not index.up and index.outages == 1
+        p = prompt(2 * C + 5, seed=19)
+        out = generate(h, [p], greedy())[0]  # served: kvtier off in effect
+        assert len(out.outputs[0].token_ids) == 8 and h.kvtier.stats.saves_committed == 0
+        store.start()
+        time.sleep(index.retry_seconds + 0.5)  # the next retry is due
+        generate(h, [prompt(40, seed=20)], greedy())  # a step polls: attached
+        assert index.up and index.epoch == 1
+        q = prompt(2 * C + 5, seed=21)
+        generate(h, [q], greedy())
+        assert h.kvtier.stats.saves_committed >= 2
+    finally:
+        shutdown(h.llm)
+        store.stop()
