@@ -8,6 +8,7 @@ the host cannot hold.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.store.server import StoreServer
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = args.socket or default_socket()
     try:
         size = parse_bytes(args.size)

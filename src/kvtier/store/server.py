@@ -157,7 +157,7 @@ class Session:
                                                           self.server.lease_ttl)}, []
         except KeyError as e:
             return {"id": rid, "ok": False, "error": "KeyError", "msg": str(e)}, []
-        except (PoolError, ValueError, framing.ProtocolError) as e:
+        except (PoolError, ValueError, AssertionError, framing.ProtocolError) as e:
             return {"id": rid, "ok": False, "error": type(e).__name__, "msg": str(e)}, []
 
     def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +205,9 @@ class Session:
                 rel["writes"] += w
                 rel["pins"] += p
                 rel["leases"] += le
+                if w or p or le:
+                    logger.info("kvtier store: a client left holding %d writes, %d pins, %d "
+                                "leases: released", w, p, le)
                 self.server.clients.discard(self.holds)
             if self.space is not None:
                 self.space.attached -= 1
