@@ -224,3 +224,21 @@ def _run(sched, workers, plan) -> None:  # type: ignore[no-untyped-def]
         w.drain()
         total.add(w.collect().report)
     sched.on_report(total)
+
+
+def test_engines_of_another_namespace_never_see_the_bytes(store: StoreProcess) -> None:
+    """Another model or layout is another namespace: its own arena and index, no hit."""
+    a = StoreTier(store.url, seed=1, namespace=b"model-a" * 2)
+    b = StoreTier(store.url, seed=2, namespace=b"model-b" * 2)
+    try:
+        toks = prompt(8)
+        a.prefill("p", toks)
+        n, _ = b.restore("p", toks)
+        assert n == 0
+        assert a.index.attachment.arena_offset != b.index.attachment.arena_offset  # type: ignore[union-attr]
+        b.sched.request_finished("p")
+        b.step()
+        b.sched.check_drained()
+    finally:
+        a.close()
+        b.close()
