@@ -37,6 +37,7 @@ from kvtier.store.client import Attachment, StoreClient, StoreDown, StoreRefused
 
 logger = logging.getLogger("kvtier.store")
 _MAX_LEASED = 1 << 16  # remembered leased slots (for pins while the store is down)
+_READS = frozenset({"view", "is_ready", "match", "get", "stats", "check"})
 
 
 class StoreEntry(Entry):
@@ -81,11 +82,16 @@ class StoreIndex(Index):
         self._leased: dict[tuple[int, bytes], int] = {}
         self.outages = 0  # times the store was found absent or lost
         self._logged_down = False
+        self._view_keys: list[bytes] = []
+        self._view_slots: list[list[int]] = []
+        self._view_pos: dict[bytes, int] = {}
+        self._view_until = 0.0
         self.poll()
 
     # -- the connection ---------------------------------------------------------------------
     def poll(self) -> bool:
         """Attach again if down and ``retry_seconds`` passed; whether attached now."""
+        self._drop_view()
         if self.client.connected:
             return True
         now = self._clock()
@@ -113,6 +119,8 @@ class StoreIndex(Index):
         return True
 
     def _call(self, op: str, **args: Any) -> Any:
+        if op not in _READS:
+            self._drop_view()
         if not self.client.connected:
             raise StoreDown("down")
         try:
@@ -139,15 +147,26 @@ class StoreIndex(Index):
             self._leased[(group, k)] = s
 
     # -- lookups ----------------------------------------------------------------------------
+    # One lookup asks ``match`` and ``is_ready`` of several groups over one request's keys:
+    # the first ``match`` fetches every group's answer for those keys in one round trip (the
+    # store leases what is ready) and the rest of the lookup reads that view. The view is
+    # dropped by any write, pin or poll, and after half a lease TTL: while it lives, what it
+    # says is ready is leased, so still ready.
     def match(self, group: int, keys: Sequence[bytes]) -> int:
-        try:
-            n, slots = self._call("match", g=group, keys=list(keys))
-        except StoreDown:
+        slots = self._view_of(keys)
+        if slots is None:
             return 0
-        self._remember(group, keys[:n], slots)
-        return int(n)
+        n = 0
+        for s in slots[group][: len(keys)]:
+            if s < 0:
+                break
+            n += 1
+        return n
 
     def is_ready(self, group: int, key: bytes) -> bool:
+        pos = self._view_pos.get(key) if self._view_fresh() else None
+        if pos is not None:
+            return self._view_slots[group][pos] >= 0
         try:
             ready, slot = self._call("is_ready", g=group, key=key)
         except StoreDown:
@@ -155,6 +174,30 @@ class StoreIndex(Index):
         if ready:
             self._remember(group, [key], [slot])
         return bool(ready)
+
+    def _view_fresh(self) -> bool:
+        return self._clock() < self._view_until
+
+    def _view_of(self, keys: Sequence[bytes]) -> list[list[int]] | None:
+        cached = self._view_keys
+        if (self._view_fresh() and len(keys) <= len(cached)
+                and all(a == b for a, b in zip(keys, cached))):
+            return self._view_slots
+        try:
+            slots = self._call("view", keys=list(keys))
+        except StoreDown:
+            return None
+        ttl = self.attachment.lease_ttl if self.attachment is not None else 0.0
+        self._view_keys, self._view_slots = list(keys), slots
+        self._view_pos = {k: i for i, k in enumerate(keys)}
+        self._view_until = self._clock() + ttl / 2
+        for g, per in enumerate(slots):
+            self._remember(g, [k for k, s in zip(keys, per) if s >= 0],
+                           [s for s in per if s >= 0])
+        return slots
+
+    def _drop_view(self) -> None:
+        self._view_until = 0.0
 
     def get(self, group: int, key: bytes) -> Entry | None:
         try:

@@ -45,6 +45,26 @@ def is_ready(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) 
     return [True, _lease_ready(space, holds, g, [key], ttl)[0]]
 
 
+def view(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """One lookup's round trip: for every group, the slot of each of ``keys`` that is ready
+    (-1: not), each ready one leased."""
+    keys = [bytes(k) for k in msg["keys"]]
+    deadline = time.monotonic() + ttl
+    out = []
+    for g in range(len(space.index.groups)):
+        slots = []
+        for k in keys:
+            if space.index.is_ready(g, k):
+                e = space.index.get(g, k)
+                assert e is not None
+                holds.lease(e, deadline)
+                slots.append(e.slot)
+            else:
+                slots.append(-1)
+        out.append(slots)
+    return out
+
+
 def get(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
     e = space.index.get(int(msg["g"]), bytes(msg["key"]))
     return None if e is None else [e.slot, e.ready]
@@ -101,5 +121,5 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
     space.index.check_invariants()
 
 
-OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, get, reserve, commit, abort,
+OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
                                                pin, unpin, discard, touch, reset, stats, check)}
