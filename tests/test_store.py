@@ -243,3 +243,15 @@ def test_engines_of_another_namespace_never_see_the_bytes(store: StoreProcess) -
     finally:
         a.close()
         b.close()
+
+
+def test_the_connector_metrics_read_the_store_index(store: StoreProcess) -> None:
+    from kvtier.vllm.counters import scheduler_counts
+
+    a = StoreTier(store.url, seed=1)
+    try:
+        a.prefill("p", prompt(9))
+        counts = scheduler_counts(a.sched)
+        assert counts["evictions"] == 0 and counts["lookups"] == 1
+    finally:
+        a.close()

@@ -282,6 +282,12 @@ class StoreIndex(Index):
                           doomed=r["doomed"], evictions=r["evictions"],
                           free_slots=r["free_slots"])
 
+    @property
+    def evictions(self) -> int:
+        """Evictions in this namespace's arena so far (every engine's), as
+        ``MemoryIndex.evictions`` (the connector's metrics read it); 0 while down."""
+        return self.stats().evictions
+
     def holds(self) -> dict[str, int]:
         """What this engine holds in the store: writes, hard pins, leases."""
         return dict(self._call("stats")["mine"])
