@@ -110,8 +110,11 @@ def rebind(slab: HostSlab, att: Attachment) -> None:
     finally:
         os.close(att.pool_fd)
     old = slab._mmap
-    slab.buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=slab.layout.total_bytes,
-                                   offset=att.arena_offset)
+    # vLLM calls the worker's step hooks under torch.inference_mode; the transfer thread
+    # writes the slab outside it, which an inference tensor refuses
+    with torch.inference_mode(False):
+        slab.buffer = torch.frombuffer(mapping, dtype=torch.uint8,
+                                       count=slab.layout.total_bytes, offset=att.arena_offset)
     slab._mmap = mapping
     if old is not None:
         with contextlib.suppress(BufferError):
