@@ -120,5 +120,6 @@ def test_a_namespace_with_another_layout_is_refused(store: StoreProcess) -> None
     c = StoreClient(store.url)
     with pytest.raises(StoreRefused, match="another slot layout"):
         c.connect({"namespace": b"layout", **ONE_SLOT, "slots": [2]})
+    assert not c.connected  # a refused attach leaves no half-open connection behind
     c.close()
     a.close()

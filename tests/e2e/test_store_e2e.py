@@ -61,7 +61,7 @@ def test_a_prefix_one_engine_computed_is_restored_by_the_next(
 
 def test_an_engine_whose_store_is_absent_serves_and_attaches_later(
         tiny_llama_dir: str, tmp_path: Path) -> None:
-    store = StoreProcess(tmp_path / "later")
+    store = StoreProcess(tmp_path / "later", size="512MiB")
     (tmp_path / "later").mkdir()
     h = _engine(tiny_llama_dir, store.url)
     try:

@@ -75,7 +75,11 @@ class StoreClient:
             sock.close()
             raise StoreDown(f"no kvtier store at {self.path}: {e}") from None
         self._sock = sock
-        reply, fds = self._exchange({"op": "attach", **spec})
+        try:
+            reply, fds = self._exchange({"op": "attach", **spec})
+        except StoreRefused:
+            self.close()  # not attached: no request may go out on this connection
+            raise
         if not fds:
             self.close()
             raise StoreDown("the store sent no pool descriptor")
