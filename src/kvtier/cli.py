@@ -4,6 +4,7 @@
     kvtier bench [NAME] [args]         a benchmark; NAME is one of kvtier.bench.BENCHES
                                        (default: serving, so `kvtier bench --compare ...` works)
     kvtier config [--json]             every kvtier setting with its default and its doc
+    kvtier store --size SIZE           the node-wide store engines attach to (store_url)
     kvtier --version                   the installed kvtier's version
 
 Subcommands import their heavy dependencies only when they run; ``kvtier --help`` imports no
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", allow_abbrev=False,
                                 description="kvtier: a KV-cache offload tier for vLLM.")
     p.add_argument("--version", action="version", version=version_line())
-    sub = p.add_subparsers(dest="command", required=True, metavar="{serve,bench,config}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{serve,bench,config,store}")
 
     sp = sub.add_parser("serve", allow_abbrev=False, help="start vLLM's OpenAI server with kvtier",
                         description="Start vLLM's OpenAI-compatible server with kvtier as its KV "
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser("config", help="print every kvtier setting with its doc")
     cp.add_argument("--json", action="store_true", help="as JSON")
+
+    from kvtier.store import main as store_main
+
+    stp = sub.add_parser("store", allow_abbrev=False, help=store_main.HELP,
+                         description=store_main.HELP)
+    store_main.add_arguments(stp)
     return p
 
 
@@ -109,11 +116,22 @@ def _print_config(as_json: bool) -> int:
     return 0
 
 
+def _store(argv: list[str]) -> int:
+    from kvtier.store import main as store_main
+
+    p = argparse.ArgumentParser(prog="kvtier store", allow_abbrev=False,
+                                description=store_main.HELP)
+    store_main.add_arguments(p)
+    return store_main.run(p.parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = _with_default_bench(list(sys.argv[1:] if argv is None else argv))
     if args_in == ["--version"]:  # before build_parser, which imports pydantic
         print(version_line())
         return 0
+    if args_in[:1] == ["store"]:  # the store imports no vLLM and no benches
+        return _store(args_in[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(args_in)
     if args.command != "serve" and rest:

@@ -38,6 +38,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -342,12 +343,26 @@ class KvtierConfig(BaseModel):
     remote_breaker_cooldown_ms: Number = Field(
         default=1000.0, gt=0, description="Open-breaker time before the next probe call."
     )
+    store_url: str | None = Field(
+        default=None,
+        description="The node-wide store to attach to (`kvtier store`), as "
+        "unix:///absolute/socket/path; its pool and index replace this engine's own "
+        "(dram_size is then this engine's quota in the store). Unset: an in-process pool.",
+    )
     model_revision: str = Field(
         default="", description="Weight revision; part of the key namespace."
     )
     namespace_extra: str = Field(
         default="", description="Free text mixed into the key namespace (e.g. a deployment id)."
     )
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url_form(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("unix:///") or "\x00" in v):
+            raise ValueError(f"store_url must be unix:///absolute/socket/path (what `kvtier "
+                             f"store` prints when ready), got {v!r}")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -390,6 +405,12 @@ class KvtierConfig(BaseModel):
                 f"gpu_staging_size ({format_bytes(self.gpu_staging_size)}) is larger than "
                 f"dram_size ({format_bytes(self.dram_size)}): write gpu_staging_size of at "
                 f"most {format_bytes(self.dram_size)} (staging only needs a few chunks)"
+            )
+        if self.store_url is not None and (self.disk_path is not None
+                                           or self.remote_url is not None):
+            raise ValueError(
+                "store_url excludes disk_path and remote_url: the store's tiers below DRAM "
+                "are the store's (none yet); unset disk_path and remote_url"
             )
         if (self.disk_path is None) != (self.disk_size is None):
             raise ValueError(

@@ -96,6 +96,8 @@ class StepPlan:
     # checks of stored chunks before a hit is promised (JobKind.VERIFY; block ids unused)
     verifies: list[Job] = field(default_factory=list)
     tier: TierPlan | None = None  # demotions, promotions and deletes of a lower tier
+    # the node-wide store's attach epoch its slots refer to (kvtier.store; 0: no store)
+    store_epoch: int = 0
 
 
 @dataclass

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.geometry import NULL_BLOCK, Geometry
-from kvtier.index.base import Entry
+from kvtier.index.base import Entry, Index
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.keys import ExtraKeysFn, RequestKeys
 from kvtier.planner import (
@@ -176,8 +176,11 @@ class OffloadScheduler:
         clock: Callable[[], float] = time.monotonic,
         draft_lookahead: int = 0,
         lower: LowerTier | None = None,
+        index_factory: Callable[[list[GroupIndexSpec], SlabLayout], Index] | None = None,
     ) -> None:
-        """``prepare_hits``: verify a hit's chunks on the workers before promising it
+        """``index_factory``: the index lives elsewhere (the node-wide store,
+        :class:`kvtier.store.index.StoreIndex`) instead of a :class:`MemoryIndex` over this
+        scheduler's own slots. ``prepare_hits``: verify a hit's chunks on the workers before promising it
         (:mod:`kvtier.prepare`; where a load cannot fail once promised). ``clock``: seconds,
         for the preparation's timeout."""
         self.config = config
@@ -202,7 +205,8 @@ class OffloadScheduler:
                 boundary_state=g in state,
             ))
         self.allocator = SlotAllocator.for_layout(slab_layout)
-        self.index = MemoryIndex(specs, self.allocator)
+        self.index: Index = (MemoryIndex(specs, self.allocator) if index_factory is None
+                             else index_factory(specs, slab_layout))
         self.admission = make_admission(config)
         self.estimates = CostEstimates(
             link_gbps=config.link_gbps,

@@ -209,6 +209,9 @@ class HostSlab:
     memory.
     ``pinner``: pins the memory, in :func:`pin_ranges` of at most ``pin_step`` bytes, and
     unpins it at ``close``; None: not pinned.
+    ``region``: the slab lies in a mapping made elsewhere (the node-wide store's pool,
+    :mod:`kvtier.store.attach`), at that byte offset; the slab owns the mapping from now on
+    and closes it at ``close``.
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class HostSlab:
         shared: SharedSlab | None = None,
         pin_step: int = 2**30,
         pinner: Pinner | None = None,
+        region: tuple[mmap.mmap, int] | None = None,
     ) -> None:
         self.layout = layout
         self.shared = shared
@@ -224,7 +228,11 @@ class HostSlab:
         self._registered: list[int] = []
         self._pinner: Pinner | None = None
         total = layout.total_bytes
-        if shared is None:
+        if region is not None:
+            self._mmap = region[0]
+            self.buffer = torch.frombuffer(region[0], dtype=torch.uint8, count=total,
+                                           offset=region[1])
+        elif shared is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
             self.buffer = torch.empty(total, dtype=torch.uint8)
         else:

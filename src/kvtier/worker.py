@@ -24,7 +24,7 @@ from kvtier.layout import Layout
 from kvtier.log import get_logger
 from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
 from kvtier.shm import SharedSlab
-from kvtier.slab import HostSlab, Pinner
+from kvtier.slab import HostSlab, Pinner, SlabLayout
 from kvtier.tiers.disk import DiskChunkStore
 from kvtier.tiers.seam import ChunkCorrupt, ChunkStore, TierOp, TierPlan, TierRunner
 from kvtier.transfer import (
@@ -101,6 +101,7 @@ class OffloadWorker:
         pinner: Pinner | None = None,
         engine_factory: Callable[[ChunkMover], TransferEngine] | None = None,
         tier_store: TierStoreFactory | None = None,
+        slab_factory: Callable[[SlabLayout], HostSlab] | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -110,8 +111,10 @@ class OffloadWorker:
         self.geometry = Geometry.of_layout(layout, chunk_tokens)
         num_shards = 1 if replicated else world_size
         self.slab_layout = self.geometry.slab_layout(config, num_shards)
-        self.slab = HostSlab(self.slab_layout, shared=shared if world_size > 1 else None,
-                             pinner=pinner, pin_step=config.pin_step_size)
+        # slab_factory: the slab lies elsewhere (the node-wide store's pool, kvtier.store)
+        self.slab = slab_factory(self.slab_layout) if slab_factory is not None else HostSlab(
+            self.slab_layout, shared=shared if world_size > 1 else None,
+            pinner=pinner, pin_step=config.pin_step_size)
         shard = 0 if replicated else rank
         self.writes = not replicated or rank == 0
         self.mover = ChunkMover(layout, self.geometry, self.slab, shard,

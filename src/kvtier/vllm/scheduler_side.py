@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from kvtier.geometry import Geometry
-from kvtier.keys import Namespace
 from kvtier.layout import GroupKind
 from kvtier.log import get_logger
 from kvtier.protocol import StepPlan
@@ -40,6 +39,12 @@ from kvtier.vllm.hybrid_hits import (
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import stats_payload
+from kvtier.vllm.store_link import (
+    close_index,
+    engine_namespace,
+    stamp_plan,
+    store_index_factory,
+)
 
 logger = get_logger("vllm.connector")
 
@@ -215,7 +220,7 @@ class SchedulerSide:
         self._blind.difference_update(nr.req_id for nr in step.new)  # a full table
         self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
         step.scheduled = self._scheduled_tokens(scheduler_output)
-        plan = sched.schedule_step(step)
+        plan = stamp_plan(sched.index, sched.schedule_step(step))  # the store's epoch
         if self.cold is not None:
             self.cold.step_planned(scheduler_output, sched.loads_in_flight())
         return KvtierMetadata(plan, geometry_known=True)
@@ -273,12 +278,7 @@ class SchedulerSide:
         num_shards = 1 if setup.replicated else setup.world_size
         with startup.failures():
             slab_layout = geometry.slab_layout(setup.config, num_shards)
-        ns = Namespace(
-            model=setup.model_name, layout_fingerprint=geometry.fingerprint,
-            kv_cache_dtype=setup.kv_cache_dtype, chunk_tokens=geometry.chunk_tokens,
-            model_revision=setup.config.model_revision, tp_size=setup.tp_size,
-            extra=setup.config.namespace_extra,
-        ).digest()
+        ns = engine_namespace(setup, geometry)
         if setup.config.disk_path is not None:
             with startup.failures():  # disk_path, disk_size, the lock, the index rebuild
                 self.disk = open_disk_tier(setup.config, geometry, ns, slab_layout, num_shards)
@@ -294,7 +294,9 @@ class SchedulerSide:
                                           loads_enabled=setup.loads_enabled,
                                           prepare_hits=prepares_hits(setup),
                                           draft_lookahead=setup.draft_lookahead,
-                                          lower=lower)
+                                          lower=lower,
+                                          index_factory=store_index_factory(setup, ns)
+                                          if setup.config.store_url else None)
         for req in list(self.requests.values()):
             self._ensure_request(req)
         logger.info("kvtier: %d chunk slots per group of %d tokens, %s%s",
@@ -317,11 +319,14 @@ class SchedulerSide:
         return stats_payload(counts, before)
 
     def shutdown(self) -> None:
-        """Release the disk tier's directory lock (the next engine may use it)."""
+        """Release the disk tier's directory lock (the next engine may use it) and the
+        store's connection."""
         if self.disk is not None:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+        if self.scheduler is not None:
+            close_index(self.scheduler.index)
 
     def reset_cache(self) -> bool | None:
         if self.scheduler is not None:

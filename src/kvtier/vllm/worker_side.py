@@ -22,6 +22,7 @@ from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
 from kvtier.protocol import StepPlan
 from kvtier.slab import Pinner
+from kvtier.store.attach import StoreMapping
 from kvtier.transfer import ChunkMover, TransferEngine, find_engine
 from kvtier.vllm import compat, startup
 from kvtier.vllm.block_axes import registered_block_axes
@@ -30,6 +31,7 @@ from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.ranks import engine_shared_slab
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import add_observations, stats_payload
+from kvtier.vllm.store_link import worker_mapping
 from kvtier.worker import OffloadWorker, StepResult
 
 logger = get_logger("vllm.connector")
@@ -71,6 +73,7 @@ class WorkerSide:
         self._begun_step = -1
         self._counts: dict[str, Any] = {}
         self._observations: dict[str, list[float]] = {}
+        self.store_mapping: StoreMapping | None = None  # with store_url
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         setup = self.setup
@@ -96,11 +99,18 @@ class WorkerSide:
         if setup.loads_must_not_fail:  # no report path once promised: re-issue first
             factory = retrying_factory(factory)
         with startup.failures():  # the slab: dram_size, host memory, /dev/shm, pinning
-            shm = engine_shared_slab(self._vllm_config) if setup.world_size > 1 else None
+            store = setup.config.store_url is not None
+            shm = (engine_shared_slab(self._vllm_config)
+                   if setup.world_size > 1 and not store else None)
+            if store:  # the slab lies in the node-wide store's pool (kvtier.vllm.store_link)
+                self.store_mapping = worker_mapping(
+                    setup, Geometry.of_layout(layout, chunk),
+                    1 if setup.replicated else setup.world_size)
             self.worker = OffloadWorker(
                 setup.config, layout, chunk, rank=rank, world_size=setup.world_size,
                 replicated=setup.replicated, shared=shm, pinner=_pinner(device_is_cuda),
                 engine_factory=factory,
+                slab_factory=self.store_mapping.slab if self.store_mapping else None,
             )
         self._geometry = self.worker.geometry
         transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
@@ -117,6 +127,7 @@ class WorkerSide:
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         plan, _ = self._step_plan(kv_connector_metadata)
         if self.worker is not None and plan is not None:
+            self._follow_store(plan)
             self.worker.fence(plan)
             self._fenced_step = plan.step
 
@@ -127,10 +138,20 @@ class WorkerSide:
         if self.worker is None or plan is None or plan.step == self._begun_step:
             return
         if self._fenced_step != plan.step:  # vLLM without handle_preemptions (or not called)
+            self._follow_store(plan)
             self.worker.fence(plan)
             self._fenced_step = plan.step
         self.worker.begin_step(plan)  # loads start before the forward, on their own thread
         self._begun_step = plan.step
+
+    def _follow_store(self, plan: StepPlan) -> None:
+        """On a new store epoch, move the slab to the store's new pool (after the jobs in
+        flight finished on the old one)."""
+        mapping, worker = self.store_mapping, self.worker
+        if (mapping is not None and worker is not None
+                and not mapping.follow(plan.store_epoch, worker.drain)):
+            logger.warning("kvtier: the store's pool of epoch %d cannot be mapped",
+                           plan.store_epoch)
 
     def wait_for_save(self, connector_metadata: Any) -> None:
         if self.worker is None:

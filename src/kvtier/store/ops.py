@@ -1,0 +1,125 @@
+"""The store's index requests, one function each: ``(space, holds, msg, lease_ttl) -> reply``.
+
+They mirror :class:`kvtier.index.base.Index` (the client's
+:class:`~kvtier.store.index.StoreIndex` is its other half). Keys travel as bytes, entries as
+the client's handles. ``match`` and ``is_ready`` lease what they find ready and return its
+slots, so that a load the engine decides on that lookup reads bytes nobody could evict, and
+could still read them from its mapping if the store died before the pin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.index.base import Entry
+from kvtier.store.leases import ClientHolds
+from kvtier.store.space import Space
+
+Op = Callable[[Space, ClientHolds, dict[str, Any], float], Any]
+
+
+def _lease_ready(space: Space, holds: ClientHolds, group: int, keys: list[bytes],
+                 ttl: float) -> list[int]:
+    deadline = time.monotonic() + ttl
+    slots = []
+    for k in keys:
+        e = space.index.get(group, k)
+        assert e is not None
+        holds.lease(e, deadline)
+        slots.append(e.slot)
+    return slots
+
+
+def match(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    g, keys = int(msg["g"]), [bytes(k) for k in msg["keys"]]
+    n = space.index.match(g, keys)
+    return [n, _lease_ready(space, holds, g, keys[:n], ttl)]
+
+
+def is_ready(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    g, key = int(msg["g"]), bytes(msg["key"])
+    if not space.index.is_ready(g, key):
+        return [False, -1]
+    return [True, _lease_ready(space, holds, g, [key], ttl)[0]]
+
+
+def view(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """One lookup's round trip: for every group, the slot of each of ``keys`` that is ready
+    (-1: not), each ready one leased."""
+    keys = [bytes(k) for k in msg["keys"]]
+    deadline = time.monotonic() + ttl
+    out = []
+    for g in range(len(space.index.groups)):
+        slots = []
+        for k in keys:
+            if space.index.is_ready(g, k):
+                e = space.index.get(g, k)
+                assert e is not None
+                holds.lease(e, deadline)
+                slots.append(e.slot)
+            else:
+                slots.append(-1)
+        out.append(slots)
+    return out
+
+
+def get(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    e = space.index.get(int(msg["g"]), bytes(msg["key"]))
+    return None if e is None else [e.slot, e.ready]
+
+
+def reserve(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    parent = msg.get("parent")
+    e = space.index.reserve(int(msg["g"]), bytes(msg["key"]),
+                            None if parent is None else bytes(parent))
+    if not isinstance(e, Entry):
+        return {"drop": e.value}
+    return {"h": holds.add_write(e), "slot": e.slot}
+
+
+def commit(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    return space.index.commit(holds.end_write(int(msg["h"])))
+
+
+def abort(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    space.index.abort(holds.end_write(int(msg["h"])))
+
+
+def pin(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    return holds.pin(int(msg["g"]), [bytes(k) for k in msg["keys"]])
+
+
+def unpin(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    holds.unpin([int(h) for h in msg["hs"]])
+
+
+def discard(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    e = holds.handles.get(int(msg["h"]))
+    if e is not None:
+        space.index.discard(e)
+
+
+def touch(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    space.index.touch(int(msg["g"]), [bytes(k) for k in msg["keys"]])
+
+
+def reset(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    return space.index.reset()
+
+
+def stats(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    s = space.index.stats()
+    return {"stored": s.stored, "writing": s.writing, "pinned": s.pinned, "doomed": s.doomed,
+            "evictions": s.evictions, "free_slots": s.free_slots,
+            "mine": {"writes": len(holds.writes), "pins": sum(holds.pins.values()),
+                     "leases": len(holds.leases)}}
+
+
+def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    space.index.check_invariants()
+
+
+OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
+                                               pin, unpin, discard, touch, reset, stats, check)}

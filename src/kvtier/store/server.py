@@ -1,0 +1,215 @@
+"""The store process: the pool, the namespaces' indexes, and the control socket.
+
+Contract:
+
+- The socket is a Unix stream socket created mode 0600 (bound under umask 0177, so it is
+  never reachable by others, not even for an instant); a stale socket file is replaced only
+  if nothing answers on it. Every connection's peer credentials (SO_PEERCRED) are checked:
+  a peer of another uid is closed before any frame is read.
+- One thread per connection, one lock over all state: every request is answered in order,
+  and a request never waits for another connection.
+- ``attach`` is a connection's first request: it names the namespace and its slot layout,
+  and the reply carries the pool's descriptor (SCM_RIGHTS) and the arena's place in it.
+- A closed connection (exit, crash, kill -9) releases everything its client held
+  (:meth:`kvtier.store.leases.ClientHolds.release_all`).
+- Leases expire ``lease_ttl`` seconds after the lookup that took them (a sweeper checks four
+  times per TTL); hard pins never do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from kvtier.config import format_bytes
+from kvtier.store import framing
+from kvtier.store.leases import ClientHolds
+from kvtier.store.ops import OPS
+from kvtier.store.pool import ArenaMap, PoolError, create_pool_fd
+from kvtier.store.space import Space, layout_id
+
+logger = logging.getLogger("kvtier.store")
+_UCRED = struct.Struct("3i")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    _pid, uid, _gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return uid
+
+
+def bind_private(path: str) -> socket.socket:
+    """A listening socket at ``path``, mode 0600; refuses if a live store already owns it."""
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: nothing listens there
+        else:
+            raise PoolError(f"a store already listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    return sock
+
+
+class StoreServer:
+    def __init__(self, path: str, pool_size: int, lease_ttl: float = 30.0,
+                 policy: str = "lru") -> None:
+        self.path = path
+        self.pool_size = pool_size
+        self.lease_ttl = lease_ttl
+        self.policy = policy
+        self.pool_fd = create_pool_fd(pool_size)
+        self.arenas = ArenaMap(pool_size)
+        self.spaces: dict[bytes, Space] = {}
+        self.lock = threading.Lock()
+        self.released = {"writes": 0, "pins": 0, "leases": 0, "expired": 0}
+        self.clients: set[ClientHolds] = set()
+        self._stop = threading.Event()
+        self.sock = bind_private(path)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        threading.Thread(target=self._sweep, daemon=True, name="kvtier-store-sweep").start()
+        logger.info("kvtier store on %s: pool %s, lease ttl %.1fs", self.path,
+                    format_bytes(self.pool_size), self.lease_ttl)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                break
+            if peer_uid(conn) != os.geteuid():
+                logger.warning("kvtier store: refused a peer of another uid")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.lease_ttl / 4):
+            self.expire_leases(time.monotonic())
+
+    def expire_leases(self, now: float) -> None:
+        with self.lock:
+            for holds in list(self.clients):
+                self.released["expired"] += holds.expire(now)
+
+    # -- one connection ---------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        session = Session(self)
+        try:
+            while True:
+                msg, fds = framing.recv(conn)
+                for fd in fds:  # clients never send descriptors
+                    os.close(fd)
+                reply, send_fds = session.handle(msg)
+                framing.send(conn, reply, send_fds)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            session.close()
+            conn.close()
+
+
+class Session:
+    """One connection's requests, against one namespace once attached."""
+
+    def __init__(self, server: StoreServer) -> None:
+        self.server = server
+        self.space: Space | None = None
+        self.holds: ClientHolds | None = None
+
+    def handle(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        op = msg.get("op")
+        rid = msg.get("id")
+        try:
+            with self.server.lock:
+                if op == "attach":
+                    return {"id": rid, "ok": True, **self._attach(msg)}, [self.server.pool_fd]
+                if self.holds is None or self.space is None:
+                    raise framing.ProtocolError("attach first")
+                fn = OPS.get(str(op))
+                if fn is None:
+                    raise framing.ProtocolError(f"unknown op {op!r}")
+                return {"id": rid, "ok": True, "r": fn(self.space, self.holds, msg,
+                                                          self.server.lease_ttl)}, []
+        except KeyError as e:
+            return {"id": rid, "ok": False, "error": "KeyError", "msg": str(e)}, []
+        except (PoolError, ValueError, AssertionError, framing.ProtocolError) as e:
+            return {"id": rid, "ok": False, "error": type(e).__name__, "msg": str(e)}, []
+
+    def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.space is not None:
+            raise framing.ProtocolError("attached already")
+        srv, ns = self.server, bytes(msg["namespace"])
+        lid = layout_id(msg)
+        space = srv.spaces.get(ns)
+        if space is not None and space.arena.layout_id != lid:
+            raise PoolError("this namespace is attached with another slot layout (dram_size, "
+                            "chunk_tokens or groups differ): use the same settings on "
+                            "every engine of one model")
+        if space is None:
+            space = self._new_space(ns, msg, lid)
+        space.attached += 1
+        self.space, self.holds = space, ClientHolds(space.index)
+        srv.clients.add(self.holds)
+        return {"pool_bytes": srv.pool_size, "arena_offset": space.arena.offset,
+                "arena_bytes": space.arena.size, "lease_ttl": srv.lease_ttl}
+
+    def _new_space(self, ns: bytes, msg: dict[str, Any], lid: bytes) -> Space:
+        srv, size = self.server, int(msg["arena_bytes"])
+        arena = srv.arenas.place(ns, size, lid)
+        idle = sorted((s for s in srv.spaces.values() if not s.attached),
+                      key=lambda s: s.detached_at)
+        while arena is None and idle:
+            gone = idle.pop(0)
+            srv.arenas.drop(gone.arena.namespace)
+            del srv.spaces[gone.arena.namespace]
+            logger.info("kvtier store: dropped an idle namespace's arena for a new one")
+            arena = srv.arenas.place(ns, size, lid)
+        if arena is None:
+            raise PoolError(f"the pool has {format_bytes(srv.arenas.free_bytes())} free for "
+                            f"a {format_bytes(size)} arena: lower dram_size or raise the "
+                            "store's --size")
+        space = Space(arena, msg["slots"], msg["groups"], srv.policy)
+        srv.spaces[ns] = space
+        return space
+
+    def close(self) -> None:
+        with self.server.lock:
+            if self.holds is not None:
+                w, p, le = self.holds.release_all()
+                rel = self.server.released
+                rel["writes"] += w
+                rel["pins"] += p
+                rel["leases"] += le
+                if w or p or le:
+                    logger.info("kvtier store: a client left holding %d writes, %d pins, %d "
+                                "leases: released", w, p, le)
+                self.server.clients.discard(self.holds)
+            if self.space is not None:
+                self.space.attached -= 1
+                self.space.detached_at = time.monotonic()
+

@@ -1,0 +1,65 @@
+"""The connector's link to the node-wide store (``store_url``, :mod:`kvtier.store`).
+
+Scheduler side: :func:`store_index_factory` gives the scheduler a
+:class:`~kvtier.store.index.StoreIndex`; :func:`stamp_plan` puts the index's epoch on each
+step's plan, then polls for a lost store (after the plan: one epoch per step). Worker side:
+:func:`worker_mapping` places the slab in the store's pool (every rank maps the one pool:
+TP ranks share it as they share a /dev/shm segment without a store);
+:meth:`~kvtier.store.attach.StoreMapping.follow` moves it on a new epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvtier.geometry import Geometry
+from kvtier.index.memory import GroupIndexSpec
+from kvtier.keys import Namespace
+from kvtier.protocol import StepPlan
+from kvtier.slab import SlabLayout
+from kvtier.store.attach import StoreMapping
+from kvtier.store.client import StoreClient
+from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
+from kvtier.vllm.setup import ConnectorSetup
+
+
+def engine_namespace(setup: ConnectorSetup, geometry: Geometry) -> bytes:
+    """The key namespace of this engine (both halves compute it alike)."""
+    return Namespace(
+        model=setup.model_name, layout_fingerprint=geometry.fingerprint,
+        kv_cache_dtype=setup.kv_cache_dtype, chunk_tokens=geometry.chunk_tokens,
+        model_revision=setup.config.model_revision, tp_size=setup.tp_size,
+        extra=setup.config.namespace_extra,
+    ).digest()
+
+
+def store_index_factory(setup: ConnectorSetup, namespace: bytes
+                        ) -> Callable[[Sequence[GroupIndexSpec], SlabLayout], StoreIndex]:
+    url = setup.config.store_url
+    assert url is not None
+
+    def make(specs: Sequence[GroupIndexSpec], layout: SlabLayout) -> StoreIndex:
+        return StoreIndex(StoreClient(url), attach_spec(namespace, specs, layout))
+
+    return make
+
+
+def stamp_plan(index: object, plan: StepPlan) -> StepPlan:
+    if isinstance(index, StoreIndex):
+        plan.store_epoch = index.epoch if index.up else 0
+        index.poll()
+    return plan
+
+
+def close_index(index: object) -> None:
+    """End the store connection (the store releases what this engine still holds)."""
+    if isinstance(index, StoreIndex):
+        index.client.close()
+
+
+def worker_mapping(setup: ConnectorSetup, geometry: Geometry, num_shards: int) -> StoreMapping:
+    url = setup.config.store_url
+    assert url is not None
+    layout = geometry.slab_layout(setup.config, num_shards)
+    return StoreMapping(StoreClient(url), attach_spec(engine_namespace(setup, geometry),
+                                                      geometry_specs(geometry), layout))

@@ -1,0 +1,74 @@
+"""An engine's two halves attached to a real store (:class:`kvtier.testing.store_process.
+StoreProcess`) (the scheduler through :class:`~kvtier.store.index.StoreIndex`, the worker's slab in
+the store's pool), wired as tests/_tier.py wires the in-process tier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
+from _tier import Tier
+from kvtier.geometry import Geometry
+from kvtier.index.memory import GroupIndexSpec
+from kvtier.scheduler import OffloadScheduler, StepInput
+from kvtier.slab import SlabLayout
+from kvtier.store.attach import StoreMapping
+from kvtier.store.client import StoreClient
+from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
+from kvtier.testing.store_process import SRC, StoreProcess
+from kvtier.worker import OffloadWorker, StepResult
+
+
+class StoreTier(Tier):
+    """:class:`Tier` with both halves attached to the store at ``url``, glued as an engine
+    glues them: the plan carries the index's epoch, the worker follows it, the index polls
+    for the store after each plan."""
+
+    def __init__(self, url: str, seed: int = 0, namespace: bytes = b"t" * 16,
+                 retry_seconds: float = 0.2, timeout: float = 2.0) -> None:
+        self.config = CONFIG.model_copy(update={"cost_model": False})
+        self.kv = SmallKV(seed=seed)
+        self.url, self.namespace = url, namespace
+        self._retry, self._timeout = retry_seconds, timeout
+        self.store_index: StoreIndex | None = None
+        geo = Geometry.of_layout(self.kv.layout, CHUNK_TOKENS)
+        specs = geometry_specs(geo)
+        layout = geo.slab_layout(self.config, 1)
+        self.mapping = StoreMapping(StoreClient(url, timeout),
+                                    attach_spec(namespace, specs, layout))
+        self.worker = OffloadWorker(self.config, self.kv.layout, CHUNK_TOKENS,
+                                    slab_factory=self.mapping.slab)
+        self.sched = OffloadScheduler(self.config, self.worker.geometry, namespace,
+                                      self.worker.slab_layout, index_factory=self._index)
+
+    def _index(self, specs: Sequence[GroupIndexSpec], layout: SlabLayout) -> StoreIndex:
+        self.store_index = StoreIndex(StoreClient(self.url, self._timeout),
+                                      attach_spec(self.namespace, specs, layout),
+                                      retry_seconds=self._retry)
+        return self.store_index
+
+    @property
+    def index(self) -> StoreIndex:
+        assert self.store_index is not None
+        return self.store_index
+
+    def step(self, step: StepInput | None = None) -> StepResult:
+        plan = self.sched.schedule_step(step or StepInput())
+        plan.store_epoch = self.index.epoch if self.index.up else 0
+        w = self.worker
+        assert self.mapping.follow(plan.store_epoch, w.drain)
+        w.fence(plan)
+        w.begin_step(plan)
+        w.end_step(plan)
+        w.drain()
+        res = w.collect()
+        self.sched.on_report(res.report)
+        self.index.poll()
+        return res
+
+    def close(self) -> None:
+        super().close()
+        self.index.client.close()
+
+
+__all__ = ["SRC", "StoreProcess", "StoreTier"]

@@ -1,0 +1,43 @@
+"""The store_url setting and the ``kvtier store`` command's start-up errors (issue 18)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from _store import SRC
+from kvtier.config import ConfigError, KvtierConfig
+
+
+def test_store_url_takes_a_unix_socket_url_only() -> None:
+    assert KvtierConfig.load({"store_url": "unix:///run/kvtier/s.sock"}).store_url == \
+        "unix:///run/kvtier/s.sock"
+    assert KvtierConfig.load({}, environ={}).store_url is None
+    for bad in ("/run/s.sock", "unix://relative", "tcp://host:1", "unix:///a\x00b"):
+        with pytest.raises(ConfigError, match="unix:///absolute/socket/path"):
+            KvtierConfig.load({"store_url": bad}, environ={})
+
+
+def test_store_url_excludes_an_engine_disk_or_remote_tier() -> None:
+    with pytest.raises(ConfigError, match="store_url excludes disk_path and remote_url"):
+        KvtierConfig.load({"store_url": "unix:///s", "disk_path": "/d", "disk_size": "1GiB"},
+                          environ={})
+    with pytest.raises(ConfigError, match="store_url excludes disk_path and remote_url"):
+        KvtierConfig.load({"store_url": "unix:///s", "remote_url": "redis://127.0.0.1:6379"},
+                          environ={})
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--size", "64"], "unit"),
+    (["--size", "100TiB"], "more than this process can take"),
+    (["--size", "8MiB", "--lease-ttl", "0"], "--lease-ttl must be positive"),
+])
+def test_kvtier_store_refuses_bad_settings_at_start(tmp_path, args, message) -> None:  # type: ignore[no-untyped-def]
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", "--socket",
+                        str(tmp_path / "s.sock"), *args], capture_output=True, text=True,
+                       timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r
+    assert message in r.stderr
+    assert not (tmp_path / "s.sock").exists()
