@@ -47,6 +47,9 @@ def test_a_prefix_one_engine_computed_is_restored_by_another(shared: tuple[int, 
     # the per-tier series: the remote tier provided the whole hit, DRAM none of it
     assert (counts["tier_hits_remote"], counts["tier_hit_tokens_remote"]) == (1, 3 * CHUNK)
     assert counts.get("tier_hit_tokens_dram", 0) == 0
+    # and not as the disk's: the disk series read only a disk tier
+    assert (counts["disk_hits"], counts["disk_promotions"], counts["gauge_disk_chunks_total"]) \
+        == (0, 0, 0)
     second.settle()
     second.sched.check_drained()
     first.close()

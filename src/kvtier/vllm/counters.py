@@ -106,24 +106,30 @@ def _failures(report: Any) -> int:
             + sum(f for _, f in report.loads.values()))
 
 
+def _has_disk(s: Any) -> bool:
+    """The scheduler's lower tier is the disk (the remote tier has series of its own,
+    kvtier.vllm.remote_metrics, and must not show as the disk's)."""
+    return s.tier is not None and s.tier.tier.name == "disk"
+
+
 def _tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Read a disk-tier statistic of the scheduler (0 without a disk tier)."""
-    return lambda s: read(s.tier.stats) if s.tier is not None else 0
+    return lambda s: read(s.tier.stats) if _has_disk(s) else 0
 
 
 def _with_tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Read a scheduler statistic where a disk tier is configured (0 without one)."""
-    return lambda s: read(s) if s.tier is not None else 0
+    return lambda s: read(s) if _has_disk(s) else 0
 
 
 def _disk_stored(s: Any) -> int:
-    if s.tier is None:
+    if not _has_disk(s):
         return 0
     return sum(s.tier.catalog.stored(g) for g in s.geometry.full_groups)
 
 
 def _disk_total(s: Any) -> int:
-    return s.tier.catalog.capacity * len(s.geometry.full_groups) if s.tier is not None else 0
+    return s.tier.catalog.capacity * len(s.geometry.full_groups) if _has_disk(s) else 0
 
 
 def _occupancy(data: dict[str, Any]) -> float | None:
