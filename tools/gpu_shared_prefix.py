@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from kvtier.bench.offline_engine import settings
+
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 # Per model: the HBM budget of the ``hbm``/``kvtier``/``native`` runs (about two prefixes'
@@ -35,19 +37,6 @@ MODELS: dict[str, dict] = {
     "llama8b": {"hbm_blocks": 2600, "big_blocks": 12000},
     "kimi-linear": {"hbm_blocks": 48, "big_blocks": 400, "max_num_seqs": 16},
 }
-
-
-def settings(pairs: list[str]) -> dict:
-    """``KEY=VALUE`` pairs as kvtier settings; a value is JSON where it parses (true, 3,
-    "x"), else the string itself (64GiB)."""
-    out: dict = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 class PhaseWatch:

@@ -95,6 +95,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as kvtier settings; a value is JSON where it parses (true, 3,
+    "x"), else the string itself (64GiB). Also used by tools/gpu_shared_prefix.py."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
