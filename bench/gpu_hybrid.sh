@@ -26,7 +26,9 @@ if [ "$STAGE" = check ]; then
     pids=()
     for a in ${ARCHS:-kimi_linear qwen3_next}; do
         negs=()
-        for n in ${NEG:-}; do negs+=(--negative "$n"); done
+        # NEG_<arch> (e.g. NEG_glm_moe_dsa="indexer fp8_ds_mla_scales") overrides NEG
+        per_arch="NEG_$a"
+        for n in ${!per_arch-${NEG:-}}; do negs+=(--negative "$n"); done
         # every engine of every architecture at once: GPU_MEM each
         GPU_TOOLS_AUTOTUNE_KEEP=${CHECK_KEEP:-1} \
             timeout "${CHECK_TIMEOUT:-420}" python3 tools/gpu_seed_check.py --arch "$a" \
@@ -43,13 +45,18 @@ if [ "$STAGE" = check ]; then
         echo "transfer rc=$?"; grep -E "^\| kimi|ceiling" "$W/transfer.log"
     fi
 elif [ "$STAGE" = gain ]; then
+    n=0
     for c in ${CONFIGS:-hbm kvtier native big}; do
+        n=$((n + 1))
+        # kvtier-admit: kvtier with cache-aware admission (defer_cold_requests)
+        extra=()
+        [ "$c" = kvtier-admit ] && extra=(--kvtier-config defer_cold_requests=true)
         # in-process engine core: the autotune limit applies and kvtier's counters are read
         GPU_TOOLS_AUTOTUNE_KEEP=${GAIN_KEEP:-1} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-            timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py --model kimi-linear \
-            --dram-gib "${DRAM_GIB:-16}" \
-            --config "${c%%-*}" --out "$W/sp_$c.json" > "$W/sp_$c.log" 2>&1
-        echo "$c rc=$?: $(grep -E '^(hbm|big|kvtier|native): wall' "$W/sp_$c.log" | tail -1)"
+            timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py \
+            --model "${GAIN_MODEL:-kimi-linear}" --dram-gib "${DRAM_GIB:-16}" \
+            --config "${c%%-*}" "${extra[@]}" --out "$W/sp_${n}_$c.json" > "$W/sp_${n}_$c.log" 2>&1
+        echo "$c rc=$?: $(grep -E '^(hbm|big|kvtier|native): wall' "$W/sp_${n}_$c.log" | tail -1)"
     done
 fi
 tar czf "$OUT/$STAGE.tgz" -C "$OUT" "$STAGE" && rm -rf "$W"

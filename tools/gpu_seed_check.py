@@ -42,7 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # kvtier's chunk on the H200 with vLLM 0.25.1 (the block size vLLM chose to equalize page
 # sizes, bench/results/2026-12-01-bare-gpu-h200-vllm025/run2), so the cold reference can run
 # first; a run records the chunk it found, and --chunk overrides
-GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544}
+GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544, "deepseek_v32": 256, "glm_moe_dsa": 256,
+              "deepseek_v3_mtp": 256}
 
 
 def prompts_for(chunk: int, vocab: int) -> dict[str, list[list[int]]]:
