@@ -16,7 +16,7 @@ python3 -m kvtier.cli serve /tmp/serve-tiny --dry-run --load-format dummy --port
     > "$W/dry-run.txt" 2>&1; echo "dry-run rc=$?"; tail -3 "$W/dry-run.txt"
 t0=$(date +%s)
 python3 -m kvtier.cli serve /tmp/serve-tiny --dram-size 2GiB --load-format dummy \
-    --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.15 --block-size 16 --num-gpu-blocks-override 64 \
+    --port "$PORT" --max-model-len 1024 --gpu-memory-utilization 0.15 --block-size 16 --num-gpu-blocks-override 64 --skip-tokenizer-init \
     --ready-timeout 240 > "$W/serve.log" 2>&1 &
 wrapper=$!
 for _ in $(seq 1 240); do
@@ -33,12 +33,12 @@ b = [100 + (i * 53 + 7) % 800 for i in range(700)]
 out = []
 for i, prompt in enumerate([a, b, a]):  # 64 HBM blocks of 16: b pushes a out of HBM
     body = json.dumps({"model": "/tmp/serve-tiny", "prompt": prompt, "max_tokens": 8,
-                       "temperature": 0, "logprobs": 1}).encode()
+                       "temperature": 0, "ignore_eos": True, "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         c = json.load(r)["choices"][0]
-    out.append({"text": c["text"], "tokens": c.get("logprobs", {}).get("tokens")})
+    out.append({"token_ids": c.get("token_ids")})
 print(json.dumps({"completions": out, "a_identical": out[0] == out[2]}))
 PY
 echo "completions rc=$?: $(cat "$W/completions.json" | head -c 300)"

@@ -225,3 +225,13 @@ def test_a_mask_needs_the_rows_it_names() -> None:
     a = allocate({attn(0): mla_spec(FlashMLABackend, 64)}, KVCacheLayout.LBHNC, NB)
     with pytest.raises(ValueError, match="not fp8_ds_mla rows"):
         fp8_ds_mla_scale_bytes(a.kv_caches, [attn(0)])
+
+
+def test_indexer_layers_finds_minimax_m3_index_caches() -> None:
+    """MiniMax-M3's index cache registers under its attention layer's name in vLLM 0.25.1
+    (``...self_attn.attn.index_cache``): the control found none of them on the H200 and
+    refused (2026-12-01); dense and sparse K/V are not index caches."""
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",
+             "model.layers.1.self_attn.attn.index_cache", "model.layers.3.self_attn.attn",
+             "model.layers.3.self_attn.attn.index_cache"]
+    assert indexer_layers(names) == [names[2], names[4]]

@@ -99,3 +99,20 @@ def test_outputs_without_logprobs_are_refused_not_passed() -> None:
     short = output(BASE[:2], False, tokens=[s[0] for s in BASE])  # a position without them
     with pytest.raises(ValueError, match="logprobs"):
         same_logprobs(a, short)
+
+
+@FLAT
+def test_nan_logprobs_compare_bitwise_and_are_flagged(flat: bool) -> None:
+    """A model that computes NaN (dummy weights that overflow: MiniMax-M3 on the H200,
+    2026-12-01) computes it in both runs: bit-equal, yet flagged, since its greedy tokens are
+    argmaxes of NaN and prove nothing; and -0.0 is not 0.0."""
+    from kvtier.testing.restore import has_nan
+
+    tok, rank, ids, vals = BASE[0]
+    nan_step = (tok, rank, ids, [math.nan, vals[1], vals[2]])
+    a, b = output(with_step(0, nan_step), flat), output(with_step(0, nan_step), flat)
+    assert same_logprobs(a, b)
+    assert has_nan(a) and not has_nan(output(BASE, flat))
+    zero = (tok, rank, ids, [0.0, vals[1], vals[2]])
+    negzero = (tok, rank, ids, [-0.0, vals[1], vals[2]])
+    assert not same_logprobs(output(with_step(0, zero), flat), output(with_step(0, negzero), flat))

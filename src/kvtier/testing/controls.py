@@ -136,8 +136,11 @@ def per_token_head_scale_bytes(kv_caches: Mapping[str, Tensors], names: Iterable
 
 
 def indexer_layers(names: Iterable[str]) -> list[str]:
-    """The DSA indexer caches among registered layer names (``...indexer.k_cache``)."""
-    return [n for n in names if ".indexer" in n]
+    """The sparse-attention index caches among registered layer names: the DSA indexer's
+    (``...indexer.k_cache``) and MiniMax-M3's (``...attn.index_cache``, vLLM 0.25.1
+    ``models/minimax_m3/common/indexer.py``: the cache registers under the attention layer's
+    name, so ``.indexer`` alone found none on the H200, 2026-12-01)."""
+    return [n for n in names if ".indexer" in n or n.endswith(".index_cache")]
 
 
 def draft_layers(names: Iterable[str], num_target_layers: int) -> list[str]:

@@ -27,6 +27,8 @@ makes every load skip its state objects while reporting success: the check must 
 
 from __future__ import annotations
 
+import math
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -130,10 +132,13 @@ class PromptResult:
     blocks_compared: dict[str, int] = field(default_factory=dict)
     tokens_b: list[int] = field(default_factory=list)
     tokens_c: list[int] = field(default_factory=list)
+    # B or C produced NaN logprobs: the comparison of outputs is void, the check cannot pass
+    nan_outputs: bool = False
 
     @property
     def passed(self) -> bool:
         return (self.checksums_equal and self.tokens_equal and self.logprobs_equal
+                and not self.nan_outputs
                 and self.tokens_equal_cold is not False and self.logprobs_equal_cold is not False)
 
     @property
@@ -144,7 +149,8 @@ class PromptResult:
         cold_ok = (self.hbm_hit_equal_cold is False
                    or (self.tokens_equal_cold is not False
                        and self.logprobs_equal_cold is not False))
-        return self.checksums_equal and self.tokens_equal and self.logprobs_equal and cold_ok
+        return (self.checksums_equal and self.tokens_equal and self.logprobs_equal and cold_ok
+                and not self.nan_outputs)
 
 
 @dataclass
@@ -245,8 +251,20 @@ def same_tokens(b: Any, c: Any) -> bool:
 
 def same_logprobs(b: Any, c: Any) -> bool:
     """Two ``RequestOutput``s (or :class:`Generated`) have bit-equal top-k logprobs (token,
-    float value and rank) at every generated position, whatever their tokens."""
-    return Generated.of(b).logprobs == Generated.of(c).logprobs
+    float value and rank) at every generated position, whatever their tokens. Bit-equal, not
+    ``==``: a NaN equals the same NaN (a model that computes NaN computes it in both runs; that
+    such a check proves little is :func:`has_nan`'s to say), and -0.0 differs from 0.0."""
+    return _logprob_bits(Generated.of(b)) == _logprob_bits(Generated.of(c))
+
+
+def has_nan(out: Any) -> bool:
+    """Whether some top-k logprob of a completion is NaN: its greedy tokens are then argmaxes
+    of NaN (dummy weights that overflow), and token equality proves nothing about the KV."""
+    return any(math.isnan(v) for step in Generated.of(out).logprobs for _, v, _ in step)
+
+
+def _logprob_bits(g: Generated) -> tuple[tuple[tuple[int, bytes, int | None], ...], ...]:
+    return tuple(tuple((t, struct.pack("<d", v), r) for t, v, r in step) for step in g.logprobs)
 
 
 def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
@@ -283,6 +301,7 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
             tokens_equal_first=same_tokens(ob, oa), logprobs_equal_first=same_logprobs(ob, oa),
             blocks_compared=_compared(h, a, b),
             tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
+            nan_outputs=has_nan(ob) or has_nan(oc),
         ))
     return RestoreResult(
         restored_tokens=stats.loaded_tokens - before[0],
