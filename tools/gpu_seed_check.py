@@ -63,6 +63,8 @@ def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str,
                               seed=0, max_model_len=args.max_model_len, max_num_seqs=8,
                               enable_prefix_caching=mode != "cold", enforce_eager=args.eager)
     kw.update(copy.deepcopy(SEED_MODELS[args.arch].engine_args))
+    if "speculative_config" in kw:  # the acceptance counters (spec_decode below) need stats
+        kw["disable_log_stats"] = False
     if args.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         kw.update(dtype="bfloat16", max_num_batched_tokens=2048)
@@ -166,7 +168,23 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
               flush=True)
     res["kvtier_stats"] = {k: v for k, v in vars(h.kvtier.stats).items()
                            if isinstance(v, (int, float))}
+    if "speculative_config" in engine_kwargs(args, folder, mode):
+        res["spec_decode"] = spec_decode_counters(llm)
     return res
+
+
+def spec_decode_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters over the engine's life (drafts, draft tokens,
+    accepted tokens; the mean acceptance length is 1 + accepted / drafts), or the error."""
+    try:
+        out = {m.name: m.value for m in llm.get_metrics()
+               if "spec_decode" in m.name and hasattr(m, "value")}
+    except Exception as e:  # a missing counter is a result, not a crash of the check
+        return {"error": f"{type(e).__name__}: {e}"}
+    drafts = out.get("vllm:spec_decode_num_drafts") or 0
+    accepted = out.get("vllm:spec_decode_num_accepted_tokens") or 0
+    out["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+    return out
 
 
 def census(h: Any) -> dict[str, Any]:
