@@ -35,13 +35,25 @@ def test_prompts_cover_three_chunks_and_a_shared_two_chunk_prefix() -> None:
 def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) -> None:
     tool = _tool()
     args = tool.argparse.Namespace(arch="kimi_linear", max_model_len=8192, eager=False,
-                                   cpu=False, gpu_mem=0.3, dram="4GiB")
+                                   cpu=False, gpu_mem=0.3, dram="4GiB", chunk=1888)
     cold = tool.engine_kwargs(args, str(tmp_path), "cold")
     kv = tool.engine_kwargs(args, str(tmp_path), "kvtier")
     assert cold["enable_prefix_caching"] is False and "kv_transfer_config" not in cold
     assert kv["enable_prefix_caching"] is True
     assert kv["kv_transfer_config"].kv_connector == "ProbeConnector"
-    assert kv["kv_transfer_config"].kv_connector_extra_config["cost_model"] is False
+    extra = kv["kv_transfer_config"].kv_connector_extra_config
+    assert extra["cost_model"] is False and extra["chunk_tokens"] == 1888
+    # a state family's cold steps end where the cached runs' do: the long prompt's 3 chunks
+    assert cold["max_num_batched_tokens"] == 3 * 1888 and kv["max_num_batched_tokens"] == 8192
+
+
+def test_dsa_prompts_outgrow_the_indexers_top_k() -> None:
+    """At 773 tokens DSA attends every key (top-2,048) and the indexer control could change
+    only checksums (H200, 2026-12-01): the DSA seeds' long prompt must exceed the top-k."""
+    tool = _tool()
+    for arch in ("deepseek_v32", "glm_moe_dsa"):
+        long = tool.prompts_for(tool.GPU_CHUNKS[arch], 4096)["long"][0]
+        assert len(long) > 2048
 
 
 def test_a_child_writes_its_result_where_the_driver_waits_for_it(tmp_path: Path) -> None:

@@ -42,8 +42,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # kvtier's chunk on the H200 with vLLM 0.25.1 (the block size vLLM chose to equalize page
 # sizes, bench/results/2026-12-01-bare-gpu-h200-vllm025/run2), so the cold reference can run
 # first; a run records the chunk it found, and --chunk overrides
-GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544, "deepseek_v32": 256, "glm_moe_dsa": 256,
-              "deepseek_v3_mtp": 256}
+# DSA: chunk 1,024 (a multiple of block 64) so the long prompt (3 chunks + 5) is longer than
+# the indexer's top-2,048 keys and the indexer's bytes decide which keys are attended (at
+# 773 tokens every key is, and the indexer control changed only checksums; H200 2026-12-01)
+GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544, "deepseek_v32": 1024,
+              "glm_moe_dsa": 1024, "deepseek_v3_mtp": 256}
+# Recurrent-state families: with prefix caching on, vLLM's ``align`` mode ends a prefill step
+# at the last block boundary (the long prompt: 3 chunks, then 5 tokens), where a cold engine
+# computes the prompt in one step and its scans sum in another order. Their cold reference
+# therefore runs with a step budget of 3 chunks, so its long prompt's steps end where the
+# cached runs' do (a recompute with prefix caching off, split as the cached runs split).
+STATE_ARCHS = {"kimi_linear", "qwen3_next"}
 
 
 def prompts_for(chunk: int, vocab: int) -> dict[str, list[list[int]]]:
@@ -75,13 +84,16 @@ def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str,
         # profiling of free memory under gpu_memory_utilization alone comes out at nothing
         kw.update(gpu_memory_utilization=args.gpu_mem, max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=4 << 30)
+        if mode == "cold" and args.arch in STATE_ARCHS and args.chunk:
+            kw["max_num_batched_tokens"] = 3 * args.chunk
     if mode != "cold":
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ProbeConnector", kv_connector_module_path="kvtier.testing.probe",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"dram_size": args.dram, "cost_model": False})
+            kv_connector_extra_config={"dram_size": args.dram, "cost_model": False,
+                                       **({"chunk_tokens": args.chunk} if args.chunk else {})})
     return kw
 
 
