@@ -87,7 +87,8 @@ def test_a_dead_then_stopped_server_never_stalls_a_step_and_recovers(tmp_path: P
             server.kill() if fault == "kill" else server.stop()
             t0 = time.perf_counter()
             for i in range(3):  # computing goes on: saves land in DRAM, copies are dropped
-                first.prefill(f"{fault}{i}", prompt(10 + i))
+                # fresh prompts each round (one DRAM holds whole is answered at once)
+                first.prefill(f"{fault}{i}", prompt(10 + i + 3 * (fault == "stop")))
             n, _, same = second.restore(f"r-{fault}", prompt(1))  # a miss, not a wait
             took = time.perf_counter() - t0
             assert (n, same) == (0, True) and took < 3.0, took

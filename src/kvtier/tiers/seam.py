@@ -139,12 +139,15 @@ class TierReport:
 
 @dataclass
 class TierPlan:
-    """A step's tier jobs, and where the tier is: ``root`` (the namespace directory of the
-    disk tier) and ``namespace`` (what every stored chunk's header must name)."""
+    """A step's jobs of one lower tier, and where the tier is: ``root`` (the namespace
+    directory of the disk tier; the key prefix of the remote one), ``namespace`` (what every
+    stored chunk's header must name) and ``name`` (which tier: ``disk`` or ``remote``,
+    :data:`kvtier.tiers.TIER_NAMES`; each has its own store and I/O thread on the workers)."""
 
     root: str
     namespace: bytes
     jobs: list[TierJob] = field(default_factory=list)
+    name: str = "disk"
 
 
 class ChunkStore(ABC):

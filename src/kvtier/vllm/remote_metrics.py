@@ -11,10 +11,10 @@ from kvtier.vllm.counters import COUNTER, GAUGE, SCHEDULER, Metric, Series
 
 
 def _remote(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Read from the scheduler's remote tier (0 when its lower tier is not the remote one)."""
+    """Read from the scheduler's remote tier, alone or below the disk (0 without one)."""
     def get(s: Any) -> Any:
-        t = s.tier
-        return read(t) if t is not None and t.tier.name == "remote" else 0
+        t = s.lower_tier("remote")
+        return read(t) if t is not None else 0
     return get
 
 
