@@ -17,9 +17,9 @@ import redis
 from _disk_loop import CHUNK, prompt
 from _redis import RedisProcess, standalone, unique_prefix
 from _stack_loop import StackLoop, stack_config
+from kvtier.testing.slow_disk import SlowChunkStore
 from kvtier.tiers.directory import scan
 from kvtier.tiers.disk import PAGE, chunk_name, shard_dir
-from kvtier.testing.slow_disk import SlowChunkStore
 from kvtier.vllm.counters import scheduler_counts
 
 
