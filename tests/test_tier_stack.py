@@ -141,6 +141,8 @@ def test_the_cost_model_declines_a_slow_store_and_still_promotes_from_disk(
     assert (n, same) == (3 * CHUNK, True)  # the disk's part, not the store's
     assert a.on_disk.stats.promotions == 3 and a.on_remote.stats.promotions == 0
     assert a.on_remote.stats.declined_slower == 1 and a.on_disk.stats.declined_slower == 0
+    counts = scheduler_counts(a.sched)
+    assert (counts["remote_declined_slower"], counts["disk_declined_slower"]) == (1, 0)
     a.settle()
     a.sched.check_drained()
     a.close()

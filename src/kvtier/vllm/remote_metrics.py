@@ -58,6 +58,11 @@ REMOTE_METRICS: tuple[Metric, ...] = (
            "misses.",
            series=(Series("remote_checksum_failures", "",
                           _remote(lambda t: t.stats.checksum_failures)),)),
+    Metric("remote_declined_slower", COUNTER, SCHEDULER,
+           "Promotions that left the remote tier out because reading it would be slower "
+           "than recomputing (below a disk tier, the disk's part is still promoted).",
+           series=(Series("remote_declined_slower", "",
+                          _remote(lambda t: t.stats.declined_slower)),)),
     Metric("remote_chunks_known", GAUGE, SCHEDULER,
            "Chunks of the remote tier this engine's catalog knows of (all groups).",
            series=(Series("gauge_remote_chunks_known", "", _remote(
