@@ -110,6 +110,8 @@ the scheduler's preparation step takes the landed chunks as prepared (kvtier.pre
 
 
 class TierScheduler:
+    discovers = False  # whether :meth:`discovering` may ever defer (the catalog is local)
+
     def __init__(self, tier: LowerTier, dram: MemoryIndex, allocator: SlotAllocator,
                  slot_class: Sequence[int], geometry: Geometry, config: KvtierConfig,
                  estimates: CostEstimates, world_size: int, job_ids: itertools.count,

@@ -122,6 +122,8 @@ class TierStack:
         n = min(num_tokens // self.geometry.chunk_tokens, len(keys))
         busy = False
         for i, t in enumerate(self.tiers):
+            if not t.discovers:
+                continue  # a local catalog always knows (no cost on the lookup)
             above = Tiered(self.dram, [u.catalog.index for u in self.tiers[:i]])
             if n and all(above.match(g, keys[:n]) == n for g in self.geometry.full_groups):
                 break
