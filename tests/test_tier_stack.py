@@ -208,3 +208,24 @@ def test_checksum_failures_count_on_the_tier_that_failed_and_the_store_fills_in(
     a.settle()
     a.sched.check_drained()
     a.close()
+
+
+def test_a_chunk_gone_from_disk_is_forgotten_there_and_the_store_serves_it(
+        tmp_path: Path, shared: tuple[int, str]) -> None:
+    port, prefix = shared
+    a = StackLoop(stack_config(tmp_path / "a", port, prefix))
+    p = prompt(7)
+    a.prefill("p", p)
+    a.settle()
+    push_out_of_dram(a)
+    k1 = a.keys(p)[1]
+    found = {c.name.key: c.name for c in scan(Path(a.disk.lower.root), 1).chunks}
+    (shard_dir(Path(a.disk.lower.root), 0) / chunk_name(0, k1, found[k1].parent)).unlink()
+    n, _, same = a.restore("gone", p)
+    assert (n, same) == (CHUNK, True)  # chunk 0 from disk, the rest recomputed
+    assert a.on_disk.stats.vanished == 1 and a.on_disk.stats.checksum_failures == 0
+    n, _, same = a.restore("again", p)  # the disk forgot it: the store has it
+    assert (n, same) == (3 * CHUNK, True) and a.on_remote.stats.promotions == 2
+    a.settle()
+    a.sched.check_drained()
+    a.close()

@@ -19,7 +19,10 @@ lookup waits for a promotion.
   (:mod:`kvtier.prepare`): past the bound the request goes on with what DRAM holds (the
   promotion still lands, for later requests). A request promotes at most once per lifecycle.
 - Chunks whose tier copy did not verify are forgotten by the tier (with their descendants),
-  counted, and logged once each by the worker; their DRAM slots are released.
+  counted, and logged once each by the worker; their DRAM slots are released. So are chunks
+  a promotion found gone (a server that evicted them, a removed file: ``vanished``), without
+  a log line: the promotion keeps what came before them, and no later lookup tries them
+  again (below the disk, the remote store may then serve them).
 - With ``verify_checksums`` a demotion first checks the slot against the checksums its save
   stored: a chunk corrupted in DRAM is not written (nor its descendants in the job), is
   dropped from DRAM with what hangs below it, counted (``demotions_corrupt``) and logged.
@@ -82,6 +85,7 @@ class TierStats:
     promotions: int = 0  # chunks committed to DRAM from the tier
     promotion_jobs_failed: int = 0
     checksum_failures: int = 0  # chunks whose tier copy did not verify (all ranks)
+    vanished: int = 0  # chunks a promotion found gone (evicted by the server, file removed)
     tier_full: int = 0  # writes the tier declined for want of space
     declined_slower: int = 0  # promotions declined by the cost model
     hits: int = 0  # loads that restored chunks promoted for them
@@ -102,6 +106,7 @@ class _TierJobState:
     ok: int = 0
     failed: int = 0
     corrupt: set[int] = field(default_factory=set)
+    absent: set[int] = field(default_factory=set)  # promote: ops whose chunk was gone
 
 
 PromotionLanded = Callable[[str, int, list[Entry], bool], None]
@@ -257,6 +262,10 @@ class TierScheduler:
             js = self.jobs.get(job_id)
             if js is not None:
                 js.corrupt.update(ops)
+        for job_id, ops in report.absent.items():
+            js = self.jobs.get(job_id)
+            if js is not None:
+                js.absent.update(ops)
         for job_id, (ok, failed) in report.jobs.items():
             js = self.jobs.get(job_id)
             if js is None:
@@ -298,15 +307,20 @@ class TierScheduler:
         for i in sorted(js.corrupt):
             self.catalog.index.discard(js.catalog_entries[i])
             self.stats.checksum_failures += 1
+        for i in sorted(js.absent - js.corrupt):  # gone from the tier: forget it, a miss
+            self.catalog.index.discard(js.catalog_entries[i])
+            self.stats.vanished += 1
         ok = not js.failed
-        # a corrupt chunk ends its group's promoted prefix; what came before it is good
+        # a corrupt or vanished chunk ends its group's promoted prefix; what came before it
+        # is good
+        missed = js.corrupt | js.absent
         first_bad: dict[int, int] = {}
-        for i in sorted(js.corrupt):
+        for i in sorted(missed):
             first_bad.setdefault(js.job.ops[i].group, i)
         landed = []
         for i, e in enumerate(js.dram_entries):
             bad = first_bad.get(e.group)
-            if not ok and (not js.corrupt or (bad is not None and i >= bad)):
+            if not ok and (not missed or (bad is not None and i >= bad)):
                 self.dram.abort(e)
             elif self.dram.commit(e):
                 self.stats.promotions += 1
