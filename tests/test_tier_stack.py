@@ -229,3 +229,39 @@ def test_a_chunk_gone_from_disk_is_forgotten_there_and_the_store_serves_it(
     a.settle()
     a.sched.check_drained()
     a.close()
+
+
+def test_a_disk_part_that_fails_credits_neither_tier_and_the_store_serves_it_next(
+        tmp_path: Path, shared: tuple[int, str]) -> None:
+    """One promotion, disk chunks 0-2 and store chunks 3-4; disk chunk 1 does not verify:
+    chunk 0 lands (DRAM's hit now), the store's part hangs below the failed one and is
+    dropped, and neither lower tier is credited with the hit."""
+    port, prefix = shared
+    long = long_prompt(8, 5)
+    b = StackLoop(stack_config(tmp_path / "b", port, prefix))
+    b.prefill("long", long)
+    b.settle()
+    b.close()
+    a = StackLoop(stack_config(tmp_path / "a", port, prefix))
+    a.prefill("short", long_prompt(8, 3))
+    a.settle()
+    push_out_of_dram(a)
+    k1 = a.keys(long)[1]
+    found = {c.name.key: c.name for c in scan(Path(a.disk.lower.root), 1).chunks}
+    path = shard_dir(Path(a.disk.lower.root), 0) / chunk_name(0, k1, found[k1].parent)
+    raw = bytearray(path.read_bytes())
+    raw[PAGE + 100] ^= 0x04
+    path.write_bytes(bytes(raw))
+    n, _, same = a.restore("corrupt", long)
+    assert (n, same) == (CHUNK, True)
+    counts = scheduler_counts(a.sched)
+    assert (counts["disk_checksum_failures"], counts["remote_promoted"]) == (1, 0)
+    assert counts.get("tier_hit_tokens_disk", 0) == counts.get("tier_hit_tokens_remote", 0) == 0
+    assert counts["tier_hit_tokens_dram"] == CHUNK
+    n, _, same = a.restore("again", long)  # the store serves what the disk lost
+    assert (n, same) == (5 * CHUNK, True)
+    counts = scheduler_counts(a.sched)
+    assert counts["tier_hit_tokens_remote"] == 4 * CHUNK and counts["remote_promoted"] == 4
+    a.settle()
+    a.sched.check_drained()
+    a.close()

@@ -46,8 +46,9 @@ from kvtier.tiers.schedule import IMPROVABLE, LowerTier, TierScheduler
 from kvtier.tiers.seam import TierPlan, TierReport
 
 StackLanded = Callable[[str, int, list[Entry], Sequence[str]], None]
-"""(request id, promotion id, the DRAM entries it committed, the tiers whose part did not
-all land): the scheduler's preparation step takes the landed chunks as prepared."""
+"""(request id, promotion id, the DRAM entries it committed, the tiers that provided nothing
+to the hit: one whose part did not all land and every tier below it): the scheduler's
+preparation step takes the landed chunks as prepared."""
 
 Todo = list[tuple[int, list[int]]]
 """Per full group, the chunk indices one tier reads."""
@@ -254,7 +255,14 @@ class TierStack:
             p.failed.append(name)
         if not p.waiting:
             del self._promotions[pid]
-            self.on_landed(p.req_id, pid, p.landed, p.failed)
+            self.on_landed(p.req_id, pid, p.landed, self._lost(p.failed))
+
+    def _lost(self, failed: Sequence[str]) -> list[str]:
+        """The tiers that provided nothing: the first that failed and every one below it (a
+        lower tier's chunks hang below the upper one's: an upper part that failed dooms them)."""
+        names = [t.tier.name for t in self.tiers]
+        first = min((names.index(n) for n in failed), default=len(names))
+        return names[first:]
 
     # -- what a lookup's answer owes each tier ----------------------------------------------
     def answered(self, prep: Preparation | None, hit: Hit) -> dict[str, int]:
@@ -295,11 +303,16 @@ class TierStack:
         return [p for t in self.tiers if (p := t.take_plan(saves)) is not None]
 
     def on_report(self, reports: dict[str, TierReport]) -> None:
-        for name, rep in reports.items():
-            t = self.named(name)
-            if t is None:
-                raise RuntimeError(f"a worker reported jobs of unknown tier {name!r}")
-            if rep.jobs or rep.full:
+        """Each tier's completions, top first: of one promotion's parts finishing in one
+        step, the upper one's outcome is known when the lower one's chunks commit (those of
+        a lower part under an upper part that failed then never commit; a lower part that
+        finishes steps before commits, and goes when the upper one fails)."""
+        unknown = set(reports) - {t.tier.name for t in self.tiers}
+        if unknown:
+            raise RuntimeError(f"a worker reported jobs of unknown tiers {sorted(unknown)}")
+        for t in self.tiers:
+            rep = reports.get(t.tier.name)
+            if rep is not None and (rep.jobs or rep.full):
                 t.on_report(rep)
 
     def reset(self) -> None:
