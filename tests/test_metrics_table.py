@@ -42,6 +42,7 @@ STATS_KEYS = {
     "remote_write_through_dropped", "remote_discovered", "remote_promoted", "remote_queries",
     "remote_queries_failed", "remote_queries_expired", "remote_bytes_read",
     "remote_bytes_written", "remote_checksum_failures", "gauge_remote_chunks_known",
+    "remote_declined_slower",  # the remote tier below the disk (issue 17)
 }
 METRIC_NAMES = {
     "lookups", "hits", "hit_tokens", "restored_tokens", "loads", "loads_declined", "saves",
@@ -54,6 +55,7 @@ METRIC_NAMES = {
     "disk_chunks_total",
     "remote_hits", "remote_hit_tokens", "remote_chunks", "remote_lookups", "remote_bytes",
     "remote_checksum_failures", "remote_chunks_known",  # the remote tier's (issue 17)
+    "remote_declined_slower",
     "tier_hits", "tier_misses", "tier_hit_tokens",  # per tier (issue 19)
 }
 

@@ -88,7 +88,7 @@ def test_a_corrupted_chunk_is_recomputed_counted_and_forgotten(tmp_path: Path) -
     assert ts is not None
     assert same and n == CHUNK  # chunk 0 verified and restored, chunks 1 and 2 recomputed
     assert ts.stats.checksum_failures == 1
-    assert again.ranks[0].worker.tier.corrupt_reads == 1  # type: ignore[union-attr]
+    assert again.ranks[0].worker.tiers["disk"].corrupt_reads == 1  # type: ignore[union-attr]
     assert not ts.catalog.index.is_ready(0, k1)  # forgotten, with its descendants
     again.settle()
     again.sched.check_drained()
@@ -145,7 +145,7 @@ def test_two_ranks_a_chunk_is_on_the_tier_only_when_both_wrote_it(tmp_path: Path
             r.worker.drain()
             reports.append(r.worker.collect().report)
         loop.sched.request_finished(req)
-        if plan.tier is not None and any(j.kind is TierJobKind.DEMOTE for j in plan.tier.jobs):
+        if any(j.kind is TierJobKind.DEMOTE for p in plan.tiers for j in p.jobs):
             break
         loop.sched.on_report(reports[0].add(reports[1]))
     else:

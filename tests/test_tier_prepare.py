@@ -46,7 +46,7 @@ def test_a_disk_hit_that_also_needs_verifying_is_prepared_by_one_step(tmp_path: 
     assert (n, same) == (3 * CHUNK, True)
     # the promotion read chunk 2 only; the verify job then checked chunks 0 and 1 only (the
     # promoted chunk was verified against its file's checksum as it landed)
-    promoted = [op for p in plans if p.tier for j in p.tier.jobs if j.kind == "promote"
+    promoted = [op for p in plans for t in p.tiers for j in t.jobs if j.kind == "promote"
                 for op in j.ops]
     verified = [op for p in plans for j in p.verifies for op in j.ops]
     keys = loop.keys(a)
@@ -91,7 +91,7 @@ def test_a_chunk_flipped_in_dram_is_never_demoted_as_good(tmp_path: Path) -> Non
         loop.settle()
     keys = loop.keys(a)
     assert t.stats.demotions_corrupt == 1
-    assert loop.ranks[0].worker.tier.corrupt_demotions == 1  # type: ignore[union-attr]
+    assert loop.ranks[0].worker.tiers["disk"].corrupt_demotions == 1  # type: ignore[union-attr]
     assert t.catalog.index.match(0, keys) == 1  # chunk 0 only: 1 and 2 never reached disk
     assert s.index.match(0, keys) == 0  # and DRAM dropped the bad chunk with its child
     n, _, same = loop.restore("again", a)

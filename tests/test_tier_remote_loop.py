@@ -87,7 +87,8 @@ def test_a_dead_then_stopped_server_never_stalls_a_step_and_recovers(tmp_path: P
             server.kill() if fault == "kill" else server.stop()
             t0 = time.perf_counter()
             for i in range(3):  # computing goes on: saves land in DRAM, copies are dropped
-                first.prefill(f"{fault}{i}", prompt(10 + i))
+                # fresh prompts each round (one DRAM holds whole is answered at once)
+                first.prefill(f"{fault}{i}", prompt(10 + i + 3 * (fault == "stop")))
             n, _, same = second.restore(f"r-{fault}", prompt(1))  # a miss, not a wait
             took = time.perf_counter() - t0
             assert (n, same) == (0, True) and took < 3.0, took
@@ -129,3 +130,34 @@ def test_the_cost_model_declines_a_slow_remote_tier_and_takes_a_fast_one(
     n, _, same = fast.restore("fast", prompt(3))
     assert (n, same) == (3 * CHUNK, True) and fast.tier.stats.declined_slower == 0
     fast.close()
+
+
+
+def test_a_chunk_the_server_evicted_is_a_miss_forgotten_and_the_prefix_before_it_lands(
+        shared: tuple[int, str]) -> None:
+    """A server under maxmemory evicts whole chunks this engine's catalog still lists: the
+    promotion keeps what came before the evicted one, and the catalog forgets it and what
+    hangs below it (no later lookup reads it again)."""
+    port, prefix = shared
+    loop = RemoteLoop(remote_config(port, prefix))
+    p = prompt(6)
+    loop.prefill("a", p)
+    for i in range(7):  # 21 chunks through a DRAM of 16: p leaves DRAM
+        loop.prefill(f"fill{i}", prompt(200 + i))
+    loop.settle()
+    keys = loop.keys(p)
+    t = loop.tier
+    assert loop.sched.index.match(0, keys) == 0 and t.catalog.index.match(0, keys) == 3
+    tag = loop.remote.directory.shards[0].keys.tag(0, keys[1], 0)
+    raw = redis.Redis(port=port, socket_timeout=2)
+    assert raw.delete(*raw.keys(f"{tag}:*")) >= 2  # its head and its parts: evicted
+    n, _, same = loop.restore("b", p)
+    assert (n, same) == (CHUNK, True)  # chunk 0 restored, 1 and 2 recomputed
+    assert t.stats.vanished == 1 and t.stats.checksum_failures == 0
+    assert t.catalog.index.match(0, keys) == 1  # 1 forgotten, with 2 below it
+    failed = t.stats.promotion_jobs_failed
+    n, _, same = loop.restore("c", p)  # asks the server again: 1 is not there
+    assert (n, same) == (CHUNK, True) and t.stats.promotion_jobs_failed == failed
+    loop.settle()
+    loop.sched.check_drained()
+    loop.close()

@@ -258,7 +258,8 @@ class KvtierConfig(BaseModel):
     prepare_timeout_ms: Number = Field(
         default=1000.0, gt=0,
         description="The longest a request waits, from its first deferred lookup, while its "
-        "hit is made ready in DRAM before it is promised: chunks promoted from the disk tier, "
+        "hit is made ready in DRAM before it is promised: chunks promoted from the disk or "
+        "remote tier (and the remote tier's lookup of what it holds), "
         "or verified where hits are verified before they are promised (see verify_checksums). "
         "Past it (or prepare_max_steps) the request goes on with what is ready.",
     )
@@ -274,15 +275,17 @@ class KvtierConfig(BaseModel):
     disk_path: str | None = Field(
         default=None,
         description="Directory of the local disk tier under DRAM (a local disk, not tmpfs or "
-        "a network filesystem; one engine per directory). Unset: no disk tier.",
+        "a network filesystem; one engine per directory), above the remote tier when "
+        "remote_url is set too. Unset: no disk tier.",
     )
     disk_size: PositiveByteSize | None = Field(
         default=None, description="Bytes the disk tier may use (e.g. '500GiB'); needs disk_path."
     )
     disk_max_pending_chunks: Count = Field(
         default=256, ge=1,
-        description="Chunks in flight to or from the disk tier; beyond, demotions and "
-        "promotions are skipped.",
+        description="Chunks in flight to or from the disk tier, and, separately, to or from "
+        "the remote tier; beyond, that tier's demotions, write-throughs and promotions are "
+        "skipped.",
     )
     disk_max_defer_steps: Count | None = Field(
         default=None, ge=0,
@@ -296,7 +299,9 @@ class KvtierConfig(BaseModel):
     remote_url: str | None = Field(
         default=None,
         description="redis://host:port or rediss://host:port (TLS) of the shared remote tier "
-        "below DRAM; no credentials in it (remote_username, remote_password). Unset: none.",
+        "below DRAM, and below the disk tier when disk_path is set too (lookups ask DRAM, "
+        "the disk, then the remote store); no credentials in it (remote_username, "
+        "remote_password). Unset: none.",
     )
     remote_cluster: bool = Field(
         default=False, description="The remote_url is one node of a Redis Cluster."
@@ -524,6 +529,3 @@ def _check_remote(c: KvtierConfig) -> None:
         raise ValueError("remote_tls_cert_file and remote_tls_key_file go together")
     if c.remote_username is not None and c.remote_password is None:
         raise ValueError("remote_username needs remote_password")
-    if c.disk_path is not None:
-        raise ValueError("the remote tier below the disk tier is not supported yet: set "
-                         "remote_url or disk_path")

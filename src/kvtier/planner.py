@@ -29,6 +29,7 @@ from kvtier.layout import GroupKind
 __all__ = [
     "CostEstimates", "Decline", "Geometry", "GroupGeometry", "Hit", "LoadCost",
     "chunks_to_save", "decide_load", "find_hit", "load_bytes", "load_cost", "make_slab_layout",
+    "promotion_gain",
 ]
 
 
@@ -153,6 +154,21 @@ def load_cost(geometry: Geometry, hit: Hit, hbm_tokens: int, est: CostEstimates)
     nbytes = load_bytes(geometry, hit.boundary, hbm_tokens)
     load_s = nbytes / (est.link_gbps * 1e9) + est.step_seconds
     return LoadCost(load_s, hit.tokens * est.prefill_seconds_per_token)
+
+
+def promotion_gain(geometry: Geometry, via: Hit, dram_hit: Hit, hbm_tokens: int,
+                   est: CostEstimates, read_seconds: float) -> float:
+    """Seconds a promotion saves beyond what the DRAM hit ``dram_hit`` saves on its own: the
+    promotion reads the lower tiers for ``read_seconds`` (each tier's own rate and latency,
+    :func:`kvtier.tiers.cost.stacked_read_seconds`), defers the lookup one engine step, then
+    loads the longer hit ``via`` from DRAM like any hit. Above 0: promoting pays."""
+    v = load_cost(geometry, via, hbm_tokens, est)
+    saving = v.recompute_seconds - v.load_seconds - read_seconds - est.step_seconds
+    dram_saving = 0.0
+    if dram_hit.ok:
+        d = load_cost(geometry, dram_hit, hbm_tokens, est)
+        dram_saving = d.recompute_seconds - d.load_seconds
+    return saving - max(dram_saving, 0.0)
 
 
 def decide_load(

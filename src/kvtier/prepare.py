@@ -4,9 +4,10 @@ DRAM, so that what is promised can no longer fail.
 
 One mechanism, two kinds of preparation job, any of them per request:
 
-- a *promotion* (the disk tier, :mod:`kvtier.tiers.schedule`): chunks DRAM lacks and a lower
-  tier holds are read into reserved DRAM slots, verifying the tier's checksum; wherever a
-  lower tier is configured;
+- a *promotion* (the disk and remote tiers, :mod:`kvtier.tiers.stack`): chunks DRAM lacks
+  and a lower tier holds are read into reserved DRAM slots, verifying the tier's checksum,
+  each from the topmost tier holding it (one job per tier, the promotion lands when all
+  did); wherever a lower tier is configured;
 - a *verify job* (:data:`~kvtier.protocol.JobKind.VERIFY`): every worker checks the hit's
   DRAM slots against their checksums, nothing is written; where vLLM has no way to hear of a
   load that fails after kvtier promised it (vLLM 0.25.1 with several KV-cache groups,
@@ -62,6 +63,7 @@ class Preparation:
     promotion: int | None = None
     promotion_tried: bool = False  # a request promotes at most once per lifecycle
     promoted_tokens: int = 0  # tokens a landed promotion added to the DRAM hit
+    promoted_by: dict[str, int] = field(default_factory=dict)  # those tokens per lower tier
     timed_out: bool = False
     prepared: dict[ChunkRef, Entry] = field(default_factory=dict)
 

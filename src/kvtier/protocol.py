@@ -95,7 +95,8 @@ class StepPlan:
     reset: bool = False
     # checks of stored chunks before a hit is promised (JobKind.VERIFY; block ids unused)
     verifies: list[Job] = field(default_factory=list)
-    tier: TierPlan | None = None  # demotions, promotions and deletes of a lower tier
+    # demotions, promotions and deletes of the lower tiers, one plan per tier with jobs
+    tiers: list[TierPlan] = field(default_factory=list)
     # the node-wide store's attach epoch its slots refer to (kvtier.store; 0: no store)
     store_epoch: int = 0
 
@@ -126,7 +127,7 @@ class WorkerReport:
     fences_waited: int = 0
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
     jobs: list[tuple[str, int, float]] = field(default_factory=list)
-    tier: TierReport = field(default_factory=TierReport)
+    tiers: dict[str, TierReport] = field(default_factory=dict)  # per lower tier's name
 
     def add(self, other: WorkerReport) -> WorkerReport:
         for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads),
@@ -145,8 +146,10 @@ class WorkerReport:
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
         self.jobs.extend(other.jobs)
-        self.tier.add(other.tier)
+        for name, rep in other.tiers.items():
+            self.tiers.setdefault(name, TierReport()).add(rep)
         return self
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.verifies or self.tier.jobs)
+        return not (self.saves or self.loads or self.verifies
+                    or any(t.jobs for t in self.tiers.values()))

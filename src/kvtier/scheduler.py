@@ -55,6 +55,7 @@ from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, 
 from kvtier.slab import SlabLayout, SlotAllocator
 from kvtier.tiers import DRAM
 from kvtier.tiers.schedule import LowerTier, TierScheduler
+from kvtier.tiers.stack import TierStack
 
 
 @dataclass
@@ -175,7 +176,7 @@ class OffloadScheduler:
         prepare_hits: bool = False,
         clock: Callable[[], float] = time.monotonic,
         draft_lookahead: int = 0,
-        lower: LowerTier | None = None,
+        lower: LowerTier | Sequence[LowerTier] | None = None,
         index_factory: Callable[[list[GroupIndexSpec], SlabLayout], Index] | None = None,
     ) -> None:
         """``index_factory``: the index lives elsewhere (the node-wide store,
@@ -229,10 +230,21 @@ class OffloadScheduler:
         self._pending_load_chunks = 0
         self._pinned_chunks = 0
         self.stats = SchedulerStats()
-        # a lower tier (the disk) below the slab: demotions, promotions (kvtier.tiers.schedule)
-        self.tier = None if lower is None else (lower.make_scheduler or TierScheduler)(
-            lower, self.index, self.allocator, self.slot_class, geometry, config,
+        # the lower tiers below the slab, top first (the disk, the remote store): demotions,
+        # write-through, promotions (kvtier.tiers.stack)
+        lowers = [] if lower is None else [lower] if isinstance(lower, LowerTier) else lower
+        self.stack: TierStack | None = None if not lowers else TierStack(
+            lowers, self.index, self.allocator, self.slot_class, geometry, config,
             self.estimates, world_size, self._job_ids, self._on_promoted)
+
+    @property
+    def tier(self) -> TierScheduler | None:
+        """The lower tier right below DRAM (the top of the stack), if any."""
+        return self.stack.tiers[0] if self.stack is not None else None
+
+    def lower_tier(self, name: str) -> TierScheduler | None:
+        """The lower tier of that name (``disk``, ``remote``), if configured."""
+        return self.stack.named(name) if self.stack is not None else None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -256,7 +268,7 @@ class OffloadScheduler:
         already in DRAM). The decision is final once the engine allocates."""
         st = self.requests[req_id]
         hit = self._decide(st, tokens, hbm_tokens)
-        if self.tier is not None or self.prepare_hits:
+        if self.stack is not None or self.prepare_hits:
             prepared = self._prepare(st, len(tokens), hit, hbm_tokens)
             if prepared is None:
                 self.stats.prepare_deferrals += 1
@@ -285,14 +297,10 @@ class OffloadScheduler:
         """Each tier's part in one final lookup answer, counted and returned (tiers above 0):
         DRAM is asked by every lookup; a lower tier when a promotion could improve on DRAM's
         answer. Tokens a lower tier promoted for this request are its hit, the rest DRAM's."""
-        parts: dict[str, int] = {}
-        below = 0
-        if self.tier is not None:
-            asked, below = self.tier.answered(st.preparation, hit)
-            if asked:
-                self._count_tier(self.tier.tier.name, below)
-                parts[self.tier.tier.name] = below
-        parts[DRAM] = hit.tokens - below if hit.ok else 0
+        parts = self.stack.answered(st.preparation, hit) if self.stack is not None else {}
+        for name, n in parts.items():
+            self._count_tier(name, n)
+        parts[DRAM] = hit.tokens - sum(parts.values()) if hit.ok else 0
         self._count_tier(DRAM, parts[DRAM])
         return {name: n for name, n in parts.items() if n > 0}
 
@@ -357,8 +365,8 @@ class OffloadScheduler:
         st.load_job = job.job_id
         self.jobs[job.job_id].state = st
         self._step_loads.append(job)
-        if self.tier is not None and st.preparation is not None:
-            self.tier.note_load(st.preparation, hit.tokens)
+        if self.stack is not None and st.preparation is not None:
+            self.stack.note_load(st.preparation, hit.tokens)
         self._release_preparation(st)  # the load holds its own pins now
         self.stats.loads_started += 1
         self.stats.hits += 1
@@ -391,13 +399,13 @@ class OffloadScheduler:
             return self._prepared_after_timeout(st, prep, hit, hbm_tokens)
         if prep.busy:
             return None
-        if self.tier is not None and not prep.promotion_tried:
-            if self.tier.discovering(st.req_id, st.keys.keys, num_tokens):
-                return None  # the tier is finding out what it holds (within the bound)
+        if self.stack is not None and not prep.promotion_tried:
+            if self.stack.discovering(st.req_id, st.keys.keys, num_tokens):
+                return None  # a tier is finding out what it holds (within the bound)
             prep.promotion_tried = True
-            started = self.tier.promote(st.req_id, st.keys.keys, num_tokens, hbm_tokens, hit)
+            started = self.stack.promote(st.req_id, st.keys.keys, num_tokens, hbm_tokens, hit)
             if started is not None:
-                prep.promotion, prep.promoted_tokens = started
+                prep.promotion, prep.promoted_tokens, prep.promoted_by = started
                 return None
         if not hit.ok or not self.prepare_hits:
             return hit
@@ -429,16 +437,20 @@ class OffloadScheduler:
                 live[(g, key)] = self.index.get(g, key)
         return live
 
-    def _on_promoted(self, req_id: str, job_id: int, landed: list[Entry], ok: bool) -> None:
-        """A promotion finished (``landed``: the DRAM entries it committed): they become
-        prepared chunks of the request that asked for it, if it still waits for this job."""
+    def _on_promoted(self, req_id: str, job_id: int, landed: list[Entry],
+                     failed: Sequence[str]) -> None:
+        """A promotion finished (``landed``: the DRAM entries it committed; ``failed``: the
+        tiers whose part did not all land): they become prepared chunks of the request that
+        asked for it, if it still waits for this promotion."""
         st = self.requests.get(req_id)
         prep = st.preparation if st is not None else None
         if st is None or prep is None or prep.promotion != job_id:
             return  # the request finished, its id was reused or it gave up
         prep.promotion = None
-        if not ok:
-            prep.promoted_tokens = 0
+        if failed:  # a failed tier provided nothing; what another tier brought still counts
+            for name in failed:
+                prep.promoted_by.pop(name, None)
+            prep.promoted_tokens = sum(prep.promoted_by.values())
         if st.finished or prep.timed_out:
             return
         for e in landed:
@@ -667,8 +679,8 @@ class OffloadScheduler:
             self.jobs[job.job_id].step = self._step
         plan = StepPlan(self._step, self._step_loads, self._step_saves, sorted(fence),
                         self._reset_pending, self._step_verifies,
-                        self.tier.take_plan(len(self._step_saves)) if self.tier is not None
-                        else None)
+                        self.stack.take_plans(len(self._step_saves)) if self.stack is not None
+                        else [])
         self._step_loads, self._step_saves, self._step_verifies = [], [], []
         self._step_allocated = [set() for _ in self.geometry.groups]
         self._step_preempted = set()
@@ -676,8 +688,8 @@ class OffloadScheduler:
         return plan
 
     def on_report(self, report: WorkerReport) -> None:
-        if self.tier is not None and (report.tier.jobs or report.tier.full):
-            self.tier.on_report(report.tier)
+        if self.stack is not None and report.tiers:
+            self.stack.on_report(report.tiers)
         self.stats.checksum_failures += report.checksum_failures
         for job_id, pairs in report.corrupt.items():
             js = self.jobs.get(job_id)
@@ -718,8 +730,8 @@ class OffloadScheduler:
             for e in js.entries:
                 if js.failed:
                     self.index.abort(e)
-                elif self.index.commit(e) and self.tier is not None:
-                    self.tier.note_saved(e)
+                elif self.index.commit(e) and self.stack is not None:
+                    self.stack.note_saved(e)
             if js.failed:
                 self.stats.saves_failed += 1
             else:
@@ -769,16 +781,16 @@ class OffloadScheduler:
         st.finished = True
         st.pending_hit = None
         self._release_preparation(st)
-        if self.tier is not None:
-            self.tier.forget_request(req_id)
+        if self.stack is not None:
+            self.stack.forget_request(req_id)
         if self._idle(st):
             del self.requests[req_id]
 
     def reset(self) -> None:
         """Drop every stored chunk; in-flight writes and loads end normally but store nothing."""
         self.index.reset()
-        if self.tier is not None:
-            self.tier.catalog.index.reset()  # the files go with the next plan's deletes
+        if self.stack is not None:
+            self.stack.reset()  # the copies go with the next plans' deletes
         self._reset_pending = True
         self.stats.resets += 1
 
@@ -789,7 +801,7 @@ class OffloadScheduler:
 
     def has_pending_work(self) -> bool:
         return bool(self.jobs or self._step_loads or self._step_saves or self._step_verifies
-                    or (self.tier is not None and self.tier.has_pending_work()))
+                    or (self.stack is not None and self.stack.has_pending_work()))
 
     def observe_step(self, seconds: float, prefill_tokens: int) -> None:
         self.estimates.observe_step(seconds)
@@ -812,7 +824,7 @@ class OffloadScheduler:
         assert self._pending_save_chunks == 0 and self._pending_load_chunks == 0
         assert self._pinned_chunks == 0 and self.index.stats().pinned == 0
         assert not self.requests, f"request state left: {sorted(self.requests)}"
-        if self.tier is not None:
-            self.tier.check_drained()
+        if self.stack is not None:
+            self.stack.check_drained()
         self.index.check_invariants()
 

@@ -26,7 +26,14 @@ from kvtier.protocol import Job, JobKind, StepPlan, TransferOp, WorkerReport
 from kvtier.shm import SharedSlab
 from kvtier.slab import HostSlab, Pinner, SlabLayout
 from kvtier.tiers.disk import DiskChunkStore
-from kvtier.tiers.seam import ChunkCorrupt, ChunkStore, TierOp, TierPlan, TierRunner
+from kvtier.tiers.seam import (
+    ChunkCorrupt,
+    ChunkStore,
+    TierOp,
+    TierPlan,
+    TierReport,
+    TierRunner,
+)
 from kvtier.transfer import (
     ChecksumMismatch,
     ChunkMover,
@@ -49,19 +56,25 @@ TierStoreFactory = Callable[[TierPlan, int], ChunkStore]
 
 
 def disk_store(plan: TierPlan, shard: int) -> ChunkStore:
-    """The disk tier's store of one shard (the default)."""
+    """The disk tier's store of one shard."""
     from pathlib import Path
 
     return DiskChunkStore(Path(plan.root), shard, plan.namespace)
 
 
 def default_tier_store(config: KvtierConfig) -> TierStoreFactory:
-    """The remote tier's stores when ``remote_url`` is set, else the disk's."""
-    if config.remote_url is not None:
-        from kvtier.tiers.remote_setup import worker_store_factory  # imports redis
+    """Each plan's store by the plan's tier name: the remote tier's (``remote_url``) for
+    ``remote``, the disk's otherwise."""
+    if config.remote_url is None:
+        return disk_store
+    from kvtier.tiers.remote_setup import worker_store_factory  # imports redis
 
-        return worker_store_factory(config)
-    return disk_store
+    remote = worker_store_factory(config)
+
+    def store(plan: TierPlan, shard: int) -> ChunkStore:
+        return remote(plan, shard) if plan.name == "remote" else disk_store(plan, shard)
+
+    return store
 
 
 @dataclass
@@ -136,7 +149,9 @@ class OffloadWorker:
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
         self._tier_store = tier_store or default_tier_store(config)
-        self.tier: TierRunner | None = None  # made by the first plan that has tier jobs
+        # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
+        # of that tier (a slow or dead tier never delays another's jobs)
+        self.tiers: dict[str, TierRunner] = {}
         self._shard = shard
 
     # -- the step ---------------------------------------------------------------------------
@@ -160,22 +175,23 @@ class OffloadWorker:
             self._load_reqs[job.job_id] = (job.req_id, [])
             self._inflight[job.job_id] = self._collects
             self.engine.verify(job)
-        if plan.tier is not None:
-            self._submit_tier(plan.tier)
+        for tier_plan in plan.tiers:
+            self._submit_tier(tier_plan)
 
     def _submit_tier(self, plan: TierPlan) -> None:
         """Queue a lower tier's jobs on its own I/O thread (never waited for here)."""
-        if self.tier is None:
+        runner = self.tiers.get(plan.name)
+        if runner is None:
             slot_class = self.geometry.slot_classes
-            self.tier = TierRunner(
+            runner = self.tiers[plan.name] = TierRunner(
                 self._tier_store(plan, self._shard),
                 lambda g, slot: self.slab.view(slot_class[g], slot, self._shard),
                 moves=self.writes, max_jobs=self.config.disk_max_pending_chunks + 64,
-                name="disk" if self.config.remote_url is None else "remote",
+                name=plan.name,
                 on_promoted=self._promoted if self.mover.verify else None,
                 check_demoted=self._check_demoted if self.mover.verify else None)
         for job in plan.jobs:
-            self.tier.submit(job)
+            runner.submit(job)
 
     def _promoted(self, op: TierOp) -> None:
         """A slot filled from the tier (its bytes verified there) gets its slab checksums,
@@ -215,10 +231,13 @@ class OffloadWorker:
                     self.requeried += 1
                 self._take(c, out)
         rep.fences_waited, self._fences_waited = self._fences_waited, 0
-        if self.tier is not None:
-            self.tier.wait_promotions(PROMOTION_WAIT_S)
-            for tc in self.tier.poll():
-                rep.tier.take(tc)
+        for name, runner in self.tiers.items():
+            runner.wait_promotions(PROMOTION_WAIT_S)
+            done = runner.poll()
+            if done:
+                tier_report = rep.tiers.setdefault(name, TierReport())
+                for tc in done:
+                    tier_report.take(tc)
         return out
 
     def _take(self, c: Completion, out: StepResult) -> None:
@@ -277,18 +296,18 @@ class OffloadWorker:
                            "%s", self.rank, what, req_id, shown, more, n, then)
 
     def pending(self) -> int:
-        tier = self.tier.pending() if self.tier is not None else 0
+        tier = sum(r.pending() for r in self.tiers.values())
         return self.engine.pending() + len(self._reported_nowrite) + tier
 
     def drain(self) -> None:
         """Wait until every submitted transfer finished (reported at the next collect)."""
         self.engine.drain()
-        if self.tier is not None:
-            self.tier.drain()
+        for runner in self.tiers.values():
+            runner.drain()
 
     def close(self) -> None:
         self.engine.close()
-        if self.tier is not None:
-            self.tier.close()
+        for runner in self.tiers.values():
+            runner.close()
         self.slab.close()
 

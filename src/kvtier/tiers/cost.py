@@ -1,14 +1,19 @@
 """What reading a chunk from a lower tier costs: measured bandwidth and per-chunk latency,
 seeded by a start-up probe of the tier itself and refined by every promotion.
 
-The planner (:func:`promotion_pays`) promotes from a tier only when restoring through it beats
-both recomputing the tokens and the shorter hit DRAM holds: a promotion costs its reads, one
-engine step of deferral, then the load from DRAM like any hit.
+Every tier has its own :class:`TierCost` (the disk's and the remote store's rates differ by
+orders of magnitude). The planner (:func:`kvtier.planner.promotion_gain`, asked by
+:class:`kvtier.tiers.stack.TierStack`) promotes only when restoring through the tiers beats
+both recomputing the tokens and the shorter hit DRAM holds: a promotion costs its reads
+(:func:`stacked_read_seconds`), one engine step of deferral, then the load from DRAM like any
+hit. A tier whose part would not pay is left out of the promotion (the hit then ends where
+the tiers above it end), so a slow remote store never holds back what the disk restores.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,13 @@ class TierCost:
             return
         transfer = max(seconds - chunks * self.latency_s, seconds * 0.1)
         self.gbps += self.alpha * (nbytes / transfer / 1e9 - self.gbps)
+
+
+def stacked_read_seconds(reads: Iterable[tuple[TierCost, int, int]]) -> float:
+    """Seconds to read ``(cost, bytes, chunks)`` from each tier of one promotion: every tier
+    reads on its own I/O thread, all at once, so the slowest tier's time."""
+    return max((c.read_seconds(nbytes, chunks) for c, nbytes, chunks in reads if chunks),
+               default=0.0)
 
 
 def probe(store: ChunkStore, chunk_bytes: int, chunks: int = 4, group: int = 0) -> TierCost:

@@ -48,6 +48,8 @@ class _Asked:
 
 
 class RemoteTierScheduler(TierScheduler):
+    discovers = True  # other engines' chunks are found by asking the server
+
     def __init__(self, *args: object, directory: RemoteDirectory | None = None,
                  **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]

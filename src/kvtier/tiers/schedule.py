@@ -9,19 +9,25 @@ lookup waits for a promotion.
   reported the copy, the tier commits it and the DRAM slot is freed (unless a load pinned the
   chunk or a child was stored under it meanwhile: then it stays). A save that finds no free
   slot still evicts at once (that chunk is lost to the tier, and counted): saves never wait.
-- **Promotion** (tier -> slab) before anything is promised: when the tier extends the hit
-  DRAM can give and restoring through it pays (:func:`promotion_pays`), DRAM slots are
-  reserved for the missing chunks, the workers fill them from the tier, verifying every
+- **Promotion** (tier -> slab) before anything is promised: when the tiers extend the hit
+  DRAM can give and restoring through them pays (decided by
+  :class:`kvtier.tiers.stack.TierStack`, which also says which tier reads which chunk), DRAM
+  slots are reserved for the missing chunks, the workers fill them from the tier, verifying every
   checksum, and the lookup answers ``None`` (ask again next step) until the promotion is
   committed; then the hit is an ordinary DRAM hit whose promoted chunks are already prepared.
   The deferral, its bound and its counters are the scheduler's one preparation step
   (:mod:`kvtier.prepare`): past the bound the request goes on with what DRAM holds (the
   promotion still lands, for later requests). A request promotes at most once per lifecycle.
 - Chunks whose tier copy did not verify are forgotten by the tier (with their descendants),
-  counted, and logged once each by the worker; their DRAM slots are released.
+  counted, and logged once each by the worker; their DRAM slots are released. So are chunks
+  a promotion found gone (a server that evicted them, a removed file: ``vanished``), without
+  a log line: the promotion keeps what came before them, and no later lookup tries them
+  again (below the disk, the remote store may then serve them).
 - With ``verify_checksums`` a demotion first checks the slot against the checksums its save
   stored: a chunk corrupted in DRAM is not written (nor its descendants in the job), is
   dropped from DRAM with what hangs below it, counted (``demotions_corrupt``) and logged.
+- Below another tier (the remote store below the disk) a tier does not demote: DRAM's
+  evictions go to the tier right below it (``demotes``).
 """
 
 from __future__ import annotations
@@ -35,8 +41,7 @@ from kvtier.config import KvtierConfig
 from kvtier.geometry import Geometry
 from kvtier.index.base import Entry
 from kvtier.index.memory import MemoryIndex
-from kvtier.planner import CostEstimates, Decline, Hit, find_hit, load_cost
-from kvtier.prepare import Preparation
+from kvtier.planner import CostEstimates, Decline
 from kvtier.slab import SlotAllocator
 from kvtier.tiers.catalog import TierCatalog
 from kvtier.tiers.cost import TierCost
@@ -80,6 +85,7 @@ class TierStats:
     promotions: int = 0  # chunks committed to DRAM from the tier
     promotion_jobs_failed: int = 0
     checksum_failures: int = 0  # chunks whose tier copy did not verify (all ranks)
+    vanished: int = 0  # chunks a promotion found gone (evicted by the server, file removed)
     tier_full: int = 0  # writes the tier declined for want of space
     declined_slower: int = 0  # promotions declined by the cost model
     hits: int = 0  # loads that restored chunks promoted for them
@@ -100,6 +106,7 @@ class _TierJobState:
     ok: int = 0
     failed: int = 0
     corrupt: set[int] = field(default_factory=set)
+    absent: set[int] = field(default_factory=set)  # promote: ops whose chunk was gone
 
 
 PromotionLanded = Callable[[str, int, list[Entry], bool], None]
@@ -108,6 +115,8 @@ the scheduler's preparation step takes the landed chunks as prepared (kvtier.pre
 
 
 class TierScheduler:
+    discovers = False  # whether :meth:`discovering` may ever defer (the catalog is local)
+
     def __init__(self, tier: LowerTier, dram: MemoryIndex, allocator: SlotAllocator,
                  slot_class: Sequence[int], geometry: Geometry, config: KvtierConfig,
                  estimates: CostEstimates, world_size: int, job_ids: itertools.count,
@@ -128,11 +137,14 @@ class TierScheduler:
         self._pending_chunks = 0
         self._bursts: deque[int] = deque([0], maxlen=32)  # chunks saved per recent step
         self.on_landed = on_landed
+        self.demotes = True  # demote what DRAM evicts (False below another tier: it does)
         self.stats = TierStats()
 
     # -- demotion ---------------------------------------------------------------------------
     def plan_demotions(self, saves: int = 0) -> None:
         """Demote where DRAM runs low; ``saves``: chunks this step saves (the burst)."""
+        if not self.demotes:
+            return
         budget = self.config.disk_max_pending_chunks
         self._bursts.append(saves)
         burst = max(self._bursts)
@@ -190,53 +202,20 @@ class TierScheduler:
     def forget_request(self, req_id: str) -> None:
         """The request finished or was aborted: drop what was kept for its lookups."""
 
-    def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
-                dram_hit: Hit) -> tuple[int, int] | None:
-        """Start a promotion for this lookup if the tier extends ``dram_hit`` and that pays:
-        (its job id, the tokens it adds to the DRAM hit); the lookup defers. None: no
-        promotion (the caller asks once per request lifecycle)."""
-        if dram_hit.reason not in IMPROVABLE:
-            return None
-        view = _Tiered(self.dram, self.catalog.index)
-        tiered = find_hit(view, self.geometry, keys, num_tokens, hbm_tokens)  # type: ignore[arg-type]
-        have = dram_hit.boundary if dram_hit.ok else hbm_tokens // self.geometry.chunk_tokens
-        if not tiered.ok or tiered.boundary <= have:
-            return None
-        todo = self._missing(keys, tiered.boundary)
-        if self._pending_chunks + sum(len(js) for _, js in todo) > self.config.disk_max_pending_chunks:
-            return None
-        if self.config.cost_model and not self._pays(tiered, dram_hit, hbm_tokens, todo):
-            self.stats.declined_slower += 1
-            return None
-        job = self._start_promotion(req_id, keys, todo)
-        if job is None:
-            return None
-        return job.job_id, tiered.tokens - dram_hit.tokens
+    @property
+    def pending_chunks(self) -> int:
+        """Chunks of this tier's jobs queued or in flight (its own budget)."""
+        return self._pending_chunks
 
-    def _missing(self, keys: Sequence[bytes], boundary: int) -> list[tuple[int, list[int]]]:
-        """Per full group, the chunks below ``boundary`` that DRAM lacks (the tier has them)."""
-        out = []
-        for g in self.geometry.full_groups:
-            js = [j for j in range(boundary) if self.dram.get(g, keys[j]) is None]
-            out.append((g, js))
-        return out
+    def read_bytes(self, todo: Sequence[tuple[int, Sequence[int]]]) -> int:
+        """Bytes one rank reads from this tier for ``todo`` (chunk indices per group)."""
+        return sum(self.tier.chunk_bytes[g] * len(js) for g, js in todo)
 
-    def _pays(self, tiered: Hit, dram_hit: Hit, hbm: int,
-              todo: list[tuple[int, list[int]]]) -> bool:
-        est = self.estimates
-        nbytes = sum(self.tier.chunk_bytes[g] * len(js) for g, js in todo)
-        chunks = max((len(js) for _, js in todo), default=0)
-        via = load_cost(self.geometry, tiered, hbm, est)
-        tier_s = self.tier.cost.read_seconds(nbytes, chunks) + est.step_seconds
-        saving = via.recompute_seconds - via.load_seconds - tier_s
-        dram_saving = 0.0
-        if dram_hit.ok:
-            d = load_cost(self.geometry, dram_hit, hbm, est)
-            dram_saving = d.recompute_seconds - d.load_seconds
-        return saving > max(dram_saving, 0.0)
-
-    def _start_promotion(self, req_id: str, keys: Sequence[bytes],
-                         todo: list[tuple[int, list[int]]]) -> TierJob | None:
+    def start_promotion(self, req_id: str, keys: Sequence[bytes],
+                        todo: Sequence[tuple[int, Sequence[int]]]) -> TierJob | None:
+        """Reserve DRAM slots for ``todo`` (chunks this tier holds, per group, parents
+        first) and queue the job that reads them (None: no slot could be reserved). Which
+        chunks, and whether it pays, is decided by :class:`kvtier.tiers.stack.TierStack`."""
         ops: list[TierOp] = []
         dram: list[Entry] = []
         cat: list[Entry] = []
@@ -257,23 +236,6 @@ class TierScheduler:
         self._queued.append(job)
         return job
 
-    def note_load(self, prep: Preparation, tokens: int) -> None:
-        """A load of ``tokens`` was promised to a request prepared by ``prep``: a hit of the
-        tier if a promotion landed for it."""
-        if prep.promotion is None and prep.promoted_tokens:
-            self.stats.hits += 1
-            self.stats.hit_tokens += min(tokens, prep.promoted_tokens)
-
-    def answered(self, prep: Preparation | None, hit: Hit) -> tuple[bool, int]:
-        """For a final lookup answer ``hit`` (after the DRAM answer and any promotion) of a
-        request prepared by ``prep``: whether this tier was asked (DRAM's answer was one a
-        promotion may improve on, or a promotion was considered for the request), and how
-        many of the promised tokens it provided (those its landed promotion brought)."""
-        asked = (prep is not None and prep.promotion_tried) or hit.reason in IMPROVABLE
-        landed = prep is not None and prep.promotion is None and prep.promoted_tokens > 0
-        provided = min(hit.tokens, prep.promoted_tokens) if hit.ok and landed else 0  # type: ignore[union-attr]
-        return asked, provided
-
     def note_saved(self, entry: Entry) -> None:
         """A save committed ``entry`` to DRAM (a write-through tier copies it; this one waits
         for eviction)."""
@@ -288,7 +250,7 @@ class TierScheduler:
             jobs.append(TierJob(0, TierJobKind.DELETE, deletes))  # no completion
         if not jobs:
             return None
-        return TierPlan(self.tier.root, self.tier.namespace, jobs)
+        return TierPlan(self.tier.root, self.tier.namespace, jobs, name=self.tier.name)
 
     def on_report(self, report: TierReport) -> None:
         self.stats.tier_full += report.full
@@ -300,6 +262,10 @@ class TierScheduler:
             js = self.jobs.get(job_id)
             if js is not None:
                 js.corrupt.update(ops)
+        for job_id, ops in report.absent.items():
+            js = self.jobs.get(job_id)
+            if js is not None:
+                js.absent.update(ops)
         for job_id, (ok, failed) in report.jobs.items():
             js = self.jobs.get(job_id)
             if js is None:
@@ -341,15 +307,20 @@ class TierScheduler:
         for i in sorted(js.corrupt):
             self.catalog.index.discard(js.catalog_entries[i])
             self.stats.checksum_failures += 1
+        for i in sorted(js.absent - js.corrupt):  # gone from the tier: forget it, a miss
+            self.catalog.index.discard(js.catalog_entries[i])
+            self.stats.vanished += 1
         ok = not js.failed
-        # a corrupt chunk ends its group's promoted prefix; what came before it is good
+        # a corrupt or vanished chunk ends its group's promoted prefix; what came before it
+        # is good
+        missed = js.corrupt | js.absent
         first_bad: dict[int, int] = {}
-        for i in sorted(js.corrupt):
+        for i in sorted(missed):
             first_bad.setdefault(js.job.ops[i].group, i)
         landed = []
         for i, e in enumerate(js.dram_entries):
             bad = first_bad.get(e.group)
-            if not ok and (not js.corrupt or (bad is not None and i >= bad)):
+            if not ok and (not missed or (bad is not None and i >= bad)):
                 self.dram.abort(e)
             elif self.dram.commit(e):
                 self.stats.promotions += 1
@@ -374,22 +345,3 @@ class TierScheduler:
         assert self._pending_chunks == 0 and not any(self._leaving)
         self.catalog.check_invariants()
 
-
-class _Tiered:
-    """DRAM and the tier as one index for :func:`find_hit`: a chunk is there if either has
-    it ready (both keep prefixes whole, so a prefix of either is restorable)."""
-
-    def __init__(self, dram: MemoryIndex, tier: MemoryIndex) -> None:
-        self.dram = dram
-        self.tier = tier
-
-    def is_ready(self, group: int, key: bytes) -> bool:
-        return self.dram.is_ready(group, key) or self.tier.is_ready(group, key)
-
-    def match(self, group: int, keys: Sequence[bytes]) -> int:
-        n = 0
-        for k in keys:
-            if not self.is_ready(group, k):
-                break
-            n += 1
-        return n

@@ -87,6 +87,7 @@ class TierCompletion:
     nbytes: int = 0
     seconds: float = 0.0
     corrupt: list[int] = field(default_factory=list)  # op indexes whose bytes did not verify
+    absent: list[int] = field(default_factory=list)  # promotion ops whose chunk was gone
     full: bool = False  # the tier declined a write for want of space
     error: str = ""
 
@@ -98,6 +99,7 @@ class TierReport:
 
     jobs: dict[int, list[int]] = field(default_factory=dict)
     corrupt: dict[int, list[int]] = field(default_factory=dict)
+    absent: dict[int, list[int]] = field(default_factory=dict)  # ops whose chunk was gone
     full: int = 0  # jobs a full tier declined
     corrupt_reads: int = 0
     bytes_promoted: int = 0
@@ -112,6 +114,9 @@ class TierReport:
             known = self.corrupt.setdefault(c.job_id, [])
             known.extend(i for i in c.corrupt if i not in known)
             self.corrupt_reads += len(c.corrupt)
+        if c.absent:
+            gone = self.absent.setdefault(c.job_id, [])
+            gone.extend(i for i in c.absent if i not in gone)
         self.full += c.full
         if c.kind is TierJobKind.PROMOTE:
             self.bytes_promoted += c.nbytes
@@ -125,6 +130,9 @@ class TierReport:
             cur = self.jobs.setdefault(job, [0, 0])
             cur[0] += ok
             cur[1] += failed
+        for job, ops in other.absent.items():
+            gone = self.absent.setdefault(job, [])
+            gone.extend(i for i in ops if i not in gone)
         for job, ops in other.corrupt.items():
             known = self.corrupt.setdefault(job, [])
             known.extend(i for i in ops if i not in known)
@@ -139,12 +147,15 @@ class TierReport:
 
 @dataclass
 class TierPlan:
-    """A step's tier jobs, and where the tier is: ``root`` (the namespace directory of the
-    disk tier) and ``namespace`` (what every stored chunk's header must name)."""
+    """A step's jobs of one lower tier, and where the tier is: ``root`` (the namespace
+    directory of the disk tier; the key prefix of the remote one), ``namespace`` (what every
+    stored chunk's header must name) and ``name`` (which tier: ``disk`` or ``remote``,
+    :data:`kvtier.tiers.TIER_NAMES`; each has its own store and I/O thread on the workers)."""
 
     root: str
     namespace: bytes
     jobs: list[TierJob] = field(default_factory=list)
+    name: str = "disk"
 
 
 class ChunkStore(ABC):
@@ -207,6 +218,7 @@ class TierRunner:
         self._queued = 0
         self._promotions = 0  # promotion jobs queued or running
         self.corrupt_reads = 0  # chunks whose stored bytes did not verify, ever
+        self.absent_reads = 0  # chunks a promotion found gone from the tier, ever
         self.corrupt_demotions = 0  # chunks not written: their DRAM bytes did not verify
         self.full_writes = 0  # writes declined for want of space, ever
         self._thread = threading.Thread(target=self._loop, name=f"kvtier-{name}", daemon=True)
@@ -281,6 +293,12 @@ class TierRunner:
                 self._log_corrupt(job.kind, op, e)
                 if job.kind is TierJobKind.DEMOTE:
                     break  # the rest of a demotion is this chunk's descendants
+            except KeyError as e:  # the chunk is gone (evicted by the server, file removed)
+                out.ok, out.error = False, f"KeyError: {e}"
+                if job.kind is not TierJobKind.PROMOTE:
+                    break
+                out.absent.append(i)  # a miss: the scheduler forgets it, like a corrupt one
+                self.absent_reads += 1
             except TierFull as e:
                 self.full_writes += 1
                 out.ok, out.full, out.error = False, True, str(e)

@@ -106,15 +106,19 @@ def _failures(report: Any) -> int:
             + sum(f for _, f in report.loads.values()))
 
 
+def _disk(s: Any) -> Any:
+    """The scheduler's disk tier, wherever it is in the stack (the remote tier has series of
+    its own, kvtier.vllm.remote_metrics, and must not show as the disk's), or None."""
+    return s.lower_tier("disk")
+
+
 def _has_disk(s: Any) -> bool:
-    """The scheduler's lower tier is the disk (the remote tier has series of its own,
-    kvtier.vllm.remote_metrics, and must not show as the disk's)."""
-    return s.tier is not None and s.tier.tier.name == "disk"
+    return _disk(s) is not None
 
 
 def _tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Read a disk-tier statistic of the scheduler (0 without a disk tier)."""
-    return lambda s: read(s.tier.stats) if _has_disk(s) else 0
+    return lambda s: read(_disk(s).stats) if _has_disk(s) else 0
 
 
 def _with_tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -125,11 +129,11 @@ def _with_tier(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _disk_stored(s: Any) -> int:
     if not _has_disk(s):
         return 0
-    return sum(s.tier.catalog.stored(g) for g in s.geometry.full_groups)
+    return sum(_disk(s).catalog.stored(g) for g in s.geometry.full_groups)
 
 
 def _disk_total(s: Any) -> int:
-    return s.tier.catalog.capacity * len(s.geometry.full_groups) if _has_disk(s) else 0
+    return _disk(s).catalog.capacity * len(s.geometry.full_groups) if _has_disk(s) else 0
 
 
 def _occupancy(data: dict[str, Any]) -> float | None:

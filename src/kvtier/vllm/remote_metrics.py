@@ -11,10 +11,10 @@ from kvtier.vllm.counters import COUNTER, GAUGE, SCHEDULER, Metric, Series
 
 
 def _remote(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Read from the scheduler's remote tier (0 when its lower tier is not the remote one)."""
+    """Read from the scheduler's remote tier, alone or below the disk (0 without one)."""
     def get(s: Any) -> Any:
-        t = s.tier
-        return read(t) if t is not None and t.tier.name == "remote" else 0
+        t = s.lower_tier("remote")
+        return read(t) if t is not None else 0
     return get
 
 
@@ -58,6 +58,11 @@ REMOTE_METRICS: tuple[Metric, ...] = (
            "misses.",
            series=(Series("remote_checksum_failures", "",
                           _remote(lambda t: t.stats.checksum_failures)),)),
+    Metric("remote_declined_slower", COUNTER, SCHEDULER,
+           "Promotions that left the remote tier out because reading it would be slower "
+           "than recomputing (below a disk tier, the disk's part is still promoted).",
+           series=(Series("remote_declined_slower", "",
+                          _remote(lambda t: t.stats.declined_slower)),)),
     Metric("remote_chunks_known", GAUGE, SCHEDULER,
            "Chunks of the remote tier this engine's catalog knows of (all groups).",
            series=(Series("gauge_remote_chunks_known", "", _remote(

@@ -288,7 +288,8 @@ class SchedulerSide:
             with startup.failures():
                 self.remote = open_remote_tier(setup.config, geometry, ns, slab_layout,
                                                num_shards)
-        lower = self.disk.lower if self.disk else self.remote.lower if self.remote else None
+        # top first: DRAM -> disk -> remote (kvtier.tiers.stack)
+        lower = [t.lower for t in (self.disk, self.remote) if t is not None]
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
