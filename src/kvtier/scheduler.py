@@ -700,6 +700,7 @@ class OffloadScheduler:
             # rate of its own. load_seconds is the link's busy time (WorkerReport), so this
             # is the rate one rank's link achieved, never more.
             self.estimates.observe_transfer(report.bytes_loaded, report.load_seconds)
+        self.index.flush()  # the report's commits and unpins, in one round trip at most
 
     def _finish(self, js: _JobState) -> None:
         del self.jobs[js.job.job_id]
@@ -718,7 +719,9 @@ class OffloadScheduler:
             for e in js.entries:
                 if js.failed:
                     self.index.abort(e)
-                elif self.index.commit(e) and self.tier is not None:
+                elif self.tier is None:
+                    self.index.commit_without_answer(e)  # the store's: no round trip
+                elif self.index.commit(e):
                     self.tier.note_saved(e)
             if js.failed:
                 self.stats.saves_failed += 1

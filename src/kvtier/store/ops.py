@@ -18,6 +18,9 @@ from kvtier.store.leases import ClientHolds
 from kvtier.store.space import Space
 
 Op = Callable[[Space, ClientHolds, dict[str, Any], float], Any]
+# requests a client may queue and send ahead of its next one (``pre``): nobody waits for
+# their answer (kvtier.store.index.StoreIndex)
+DEFERRABLE = frozenset({"commit", "abort", "discard", "unpin", "touch"})
 
 
 def _lease_ready(space: Space, holds: ClientHolds, group: int, keys: list[bytes],
