@@ -12,7 +12,7 @@ from typing import Any
 POOL_NAME = "/memfd:kvtier-store-pool"
 
 
-def _mapping_of(ptr: int) -> str:
+def mapping_of(ptr: int) -> str:
     """The ``/proc/self/maps`` path column of the mapping holding address ``ptr``."""
     with open("/proc/self/maps") as f:
         for line in f:
@@ -34,5 +34,5 @@ def rpc_store_facts(worker: Any) -> dict[str, Any]:
     first, last = buf.data_ptr(), buf.data_ptr() + buf.numel() - 1
     return {"rank": w.rank, "shards": w.slab_layout.num_shards,
             "store_mapped": side.store_mapping is not None,
-            "in_pool": all(_mapping_of(p).startswith(POOL_NAME) for p in (first, last)),
+            "in_pool": all(mapping_of(p).startswith(POOL_NAME) for p in (first, last)),
             "bytes_stored": w.total_bytes_stored, "bytes_loaded": w.total_bytes_loaded}

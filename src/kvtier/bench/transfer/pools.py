@@ -34,13 +34,24 @@ def _pinner(cuda: bool) -> Any:
     return CudaPinner()
 
 
+def _layout(nbytes: int) -> Any:
+    """A slab layout of 2 MiB slots whose buffer holds at least ``nbytes`` (a layout also
+    keeps room for its tables, so ask for more until it holds them)."""
+    from kvtier.slab import lay_out_slab
+
+    budget = -(-nbytes // SLOT) * SLOT
+    while (layout := lay_out_slab(budget, [SLOT])).total_bytes < nbytes:
+        budget += -(-(nbytes - layout.total_bytes) // SLOT) * SLOT
+    return layout
+
+
 @contextlib.contextmanager
 def host_pool(kind: str, nbytes: int, cuda: bool) -> Iterator[tuple[Any, dict[str, Any]]]:
     """At least ``nbytes`` of host memory of pool ``kind`` (module docstring), and its
     set-up times; released (unregistered, unmapped, the store stopped) on exit."""
     import torch
 
-    from kvtier.slab import HostSlab, lay_out_slab
+    from kvtier.slab import HostSlab
 
     if kind not in POOLS:
         raise ValueError(f"--host-pool {kind!r}: one of {', '.join(POOLS)}")
@@ -49,7 +60,7 @@ def host_pool(kind: str, nbytes: int, cuda: bool) -> Iterator[tuple[Any, dict[st
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
         yield buf, {"pool": kind, "alloc_s": time.perf_counter() - t0}
         return
-    layout = lay_out_slab(-(-nbytes // SLOT) * SLOT, [SLOT])
+    layout = _layout(nbytes)
     if kind == "slab":
         t0 = time.perf_counter()
         slab = HostSlab(layout, pinner=_pinner(cuda), pin_step=PIN_STEP)
