@@ -100,3 +100,22 @@ def test_a_loads_touch_and_unpin_go_out_ahead_of_the_next_request(
     finally:
         a.close()
         b.close()
+
+
+def test_saving_a_prefix_another_engine_stored_asks_the_store_once(
+        store: StoreProcess) -> None:
+    a, b = StoreTier(store.url, seed=1), StoreTier(store.url, seed=2)
+    try:
+        toks = prompt(7)
+        a.prefill("r", toks)
+        b.sched.add_request("q")
+        assert b.sched.lookup("q", toks, len(toks) - 1) == 0  # in its own HBM: no load
+        sent = _sent(b.index)
+        b.step(StepInput(new=[NewRequest("q", [FULL_A, STATE_A])], scheduled=[
+            ScheduledTokens("q", toks, len(toks), len(toks))]))
+        # every chunk of the step is asked about at once, none is written twice
+        assert sent == ["stored_or_writing"]
+        assert b.sched.stats.saves_planned == 0 and not b.sched.stats.saves_dropped
+    finally:
+        a.close()
+        b.close()

@@ -559,9 +559,17 @@ class OffloadScheduler:
             computed_after_step, num_prompt, self.config.save_generated_tokens,
             volatile_tail=self.draft_lookahead > 0,
         )
-        jobs = []
+        jobs: list[Job] = []
+        if not todo:
+            return jobs
+        # stored or being written, per group, asked once for the whole range (one round trip
+        # through the store): a chunk is never written twice (another engine's write that
+        # starts meanwhile makes the reserve answer STORED)
+        live = self.index.stored_or_writing(len(self.geometry.groups),
+                                            [st.keys.keys[j] for j in todo])
         for j in todo:
-            reason = self._save_chunk(st, j, computed_after_step, jobs, computed_before)
+            reason = self._save_chunk(st, j, computed_after_step, jobs, computed_before,
+                                      [per[j - todo.start] for per in live])
             if reason is not None:
                 self.stats.saves_dropped[reason.value] += 1
                 if reason.drops_later_chunks:
@@ -571,13 +579,14 @@ class OffloadScheduler:
 
     def _save_chunk(
         self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job],
-        computed_before: int | None = None,
+        computed_before: int | None, live: list[bool],
     ) -> SaveDrop | None:
+        """``live``: per group, whether chunk ``j`` is stored or being written already."""
         key = st.keys.keys[j]
         parent = st.keys.keys[j - 1] if j > 0 else None
         wanted: list[tuple[int, list[int]]] = []
         for g in range(len(self.geometry.groups)):
-            if self.index.get(g, key) is not None:
+            if live[g]:
                 continue  # stored or being written: never twice
             ids = self.geometry.blocks_to_save(g, st.block_ids[g], j, computed_after_step,
                                                computed_before)

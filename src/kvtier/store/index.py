@@ -45,7 +45,8 @@ from kvtier.store.client import Attachment, StoreClient, StoreDown, StoreRefused
 
 logger = logging.getLogger("kvtier.store")
 _MAX_LEASED = 1 << 16  # remembered leased slots (for pins while the store is down)
-_READS = frozenset({"view", "is_ready", "match", "get", "stats", "check", "flush"})
+_READS = frozenset({"view", "is_ready", "match", "get", "stats", "check", "flush",
+                    "stored_or_writing"})
 
 
 class StoreEntry(Entry):
@@ -231,6 +232,14 @@ class StoreIndex(Index):
         except StoreDown:
             return None
         return None if r is None else StoreEntry(group, key, int(r[0]), 0, -1)
+
+    def stored_or_writing(self, num_groups: int, keys: Sequence[bytes]) -> list[list[bool]]:
+        """One round trip; while down, nothing is (every save then drops at its reserve)."""
+        try:
+            return [list(map(bool, per)) for per in self._call(
+                "stored_or_writing", n=num_groups, keys=list(keys))]
+        except StoreDown:
+            return [[False] * len(keys) for _ in range(num_groups)]
 
     # -- writes -----------------------------------------------------------------------------
     def reserve(self, group: int, key: bytes, parent_key: bytes | None) -> Entry | SaveDrop:

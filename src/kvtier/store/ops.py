@@ -68,6 +68,14 @@ def view(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> A
     return out
 
 
+def stored_or_writing(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float
+                      ) -> Any:
+    """Per group, whether each of ``keys`` has a live entry (ready or being written)."""
+    keys = [bytes(k) for k in msg["keys"]]
+    return [[space.index.get(g, k) is not None for k in keys]
+            for g in range(min(int(msg["n"]), len(space.index.groups)))]
+
+
 def get(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
     e = space.index.get(int(msg["g"]), bytes(msg["key"]))
     return None if e is None else [e.slot, e.ready]
@@ -125,4 +133,5 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
-                                               pin, unpin, discard, touch, reset, stats, check)}
+                                               pin, unpin, discard, touch, reset, stats, check,
+                                               stored_or_writing)}
