@@ -76,6 +76,11 @@ def stored_or_writing(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl
             for g in range(min(int(msg["n"]), len(space.index.groups)))]
 
 
+def flush(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """Nothing: what the client queued ahead of it (``pre``) is the point."""
+    return None
+
+
 def get(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
     e = space.index.get(int(msg["g"]), bytes(msg["key"]))
     return None if e is None else [e.slot, e.ready]
@@ -134,4 +139,4 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
                                                pin, unpin, discard, touch, reset, stats, check,
-                                               stored_or_writing)}
+                                               stored_or_writing, flush)}

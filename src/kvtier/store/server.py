@@ -151,7 +151,7 @@ class Session:
                 if self.holds is None or self.space is None:
                     raise framing.ProtocolError("attach first")
                 failed = self._run_queued(msg.get("pre") or ())
-                fn = OPS.get(str(op)) if op != "flush" else lambda *_: None
+                fn = OPS.get(str(op))
                 if fn is None:
                     raise framing.ProtocolError(f"unknown op {op!r}")
                 reply = {"id": rid, "ok": True, "r": fn(self.space, self.holds, msg,
