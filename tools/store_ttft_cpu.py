@@ -111,7 +111,8 @@ def main() -> None:
         ttfts = [t for r in rs for t in r["restored_ttft_s"]]
         out[mode] = {"ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.mean(ttfts),
                      "decode_step_s": statistics.median(r["decode_step_s"] for r in rs),
-                     "loaded_tokens": [r["loaded_tokens"] for r in rs]}
+                     "loaded_tokens": [r["loaded_tokens"] for r in rs],
+                     "ttfts_s": [[round(t, 4) for t in r["restored_ttft_s"]] for r in rs]}
     step = max(out["inproc"]["decode_step_s"], out["store"]["decode_step_s"])
     diff = out["store"]["ttft_p50_s"] - out["inproc"]["ttft_p50_s"]
     out["ttft_p50_store_minus_inproc_s"] = diff
