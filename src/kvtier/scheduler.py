@@ -571,9 +571,17 @@ class OffloadScheduler:
             computed_after_step, num_prompt, self.config.save_generated_tokens,
             volatile_tail=self.draft_lookahead > 0,
         )
-        jobs = []
+        jobs: list[Job] = []
+        if not todo:
+            return jobs
+        # stored or being written, per group, asked once for the whole range (one round trip
+        # through the store): a chunk is never written twice (another engine's write that
+        # starts meanwhile makes the reserve answer STORED)
+        live = self.index.stored_or_writing(len(self.geometry.groups),
+                                            [st.keys.keys[j] for j in todo])
         for j in todo:
-            reason = self._save_chunk(st, j, computed_after_step, jobs, computed_before)
+            reason = self._save_chunk(st, j, computed_after_step, jobs, computed_before,
+                                      [per[j - todo.start] for per in live])
             if reason is not None:
                 self.stats.saves_dropped[reason.value] += 1
                 if reason.drops_later_chunks:
@@ -583,13 +591,14 @@ class OffloadScheduler:
 
     def _save_chunk(
         self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job],
-        computed_before: int | None = None,
+        computed_before: int | None, live: list[bool],
     ) -> SaveDrop | None:
+        """``live``: per group, whether chunk ``j`` is stored or being written already."""
         key = st.keys.keys[j]
         parent = st.keys.keys[j - 1] if j > 0 else None
         wanted: list[tuple[int, list[int]]] = []
         for g in range(len(self.geometry.groups)):
-            if self.index.get(g, key) is not None:
+            if live[g]:
                 continue  # stored or being written: never twice
             ids = self.geometry.blocks_to_save(g, st.block_ids[g], j, computed_after_step,
                                                computed_before)
@@ -712,6 +721,7 @@ class OffloadScheduler:
             # rate of its own. load_seconds is the link's busy time (WorkerReport), so this
             # is the rate one rank's link achieved, never more.
             self.estimates.observe_transfer(report.bytes_loaded, report.load_seconds)
+        self.index.flush()  # the report's commits and unpins, in one round trip at most
 
     def _finish(self, js: _JobState) -> None:
         del self.jobs[js.job.job_id]
@@ -730,7 +740,9 @@ class OffloadScheduler:
             for e in js.entries:
                 if js.failed:
                     self.index.abort(e)
-                elif self.index.commit(e) and self.stack is not None:
+                elif self.stack is None:
+                    self.index.commit_without_answer(e)  # the store's: no round trip
+                elif self.index.commit(e):
                     self.stack.note_saved(e)
             if js.failed:
                 self.stats.saves_failed += 1

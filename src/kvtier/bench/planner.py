@@ -9,6 +9,13 @@ reserved, evicting leaves), and new requests arrive and are looked up against lo
 prefixes (match, cost model, pins, load plan). Workers' completions are fed back a step
 later, so commits, unpins and fences are in the measured loop too. vLLM's own scheduler time
 is not included. Target (issue): at most 100 µs per request per step.
+
+With ``--store-url`` (a running ``kvtier store``) or ``--store-size`` (a private store
+process started for the run), the scheduler's index is the node-wide store's
+(:class:`kvtier.store.index.StoreIndex`): every lookup, pin, reserve and commit is a request
+on the store's socket, as in an engine with ``store_url``. The store reserves the arena for
+real, so such runs use small chunks (``--token-bytes``); compare with an in-process run of the
+same settings. Lookups (and loads started) are also timed one by one (``per_call_us``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "replaced by a new arrival (looked up, loaded when it pays)")
     p.add_argument("--policy", default="slru", choices=["lru", "slru", "s3fifo"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-bytes", type=int, default=128 * 1024,
+                   help="KV bytes per token (the slab's size: stored chunks x 256 x this)")
+    p.add_argument("--store-url", default=None,
+                   help="index through this running kvtier store (unix:///path)")
+    p.add_argument("--store-size", default=None,
+                   help="start a private kvtier store of this size for the run (e.g. 2GiB)")
     p.add_argument("--out", default="bench/out/planner", help="folder for JSON and PNG")
 
 
@@ -56,10 +69,17 @@ class _Req:
         self.blocks: list[int] = []
 
 
-def _timed(acc: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
+_PER_CALL = ("lookup", "start_load")  # calls also timed one by one
+
+
+def _timed(acc: dict[str, float], name: str, fn: Callable[[], Any],
+           calls: dict[str, list[float]] | None = None) -> Any:
     t0 = time.perf_counter()
     out = fn()
-    acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    acc[name] = acc.get(name, 0.0) + dt
+    if calls is not None and name in _PER_CALL:
+        calls.setdefault(name, []).append(dt)
     return out
 
 
@@ -69,7 +89,7 @@ class _Run:
 
     CHUNK, BLOCK = 256, 16
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, store_url: str | None = None) -> None:
         from kvtier.config import KvtierConfig
         from kvtier.geometry import Geometry, GroupGeometry
         from kvtier.layout import GroupKind
@@ -78,13 +98,17 @@ class _Run:
         self.args = args
         self.rng = random.Random(args.seed)
         chunk, block = self.CHUNK, self.BLOCK
-        geo = Geometry(chunk, (GroupGeometry(GroupKind.FULL, block, 128 * 1024 * block),))
+        geo = Geometry(chunk, (GroupGeometry(GroupKind.FULL, block, args.token_bytes * block),))
         cfg = KvtierConfig(
-            dram_size=f"{args.stored_chunks * 32}MiB", policy=args.policy, chunk_tokens=chunk,
+            dram_size=args.stored_chunks * chunk * args.token_bytes, policy=args.policy,
+            chunk_tokens=chunk,
             max_pending_saves=1 << 20, max_pending_loads=1 << 20, max_pins=1 << 22,
         )
         slab_layout = geo.slab_layout(cfg, 1)
-        self.sched = OffloadScheduler(cfg, geo, b"bench-namespace", slab_layout)
+        self.sched = OffloadScheduler(cfg, geo, b"bench-namespace", slab_layout,
+                                      index_factory=_store_index(store_url))
+        self.calls: dict[str, list[float]] = {}
+        self.store_poll: Callable[[], Any] | None = getattr(self.sched.index, "poll", None)
         self.capacity = slab_layout.classes[0].num_slots
         self.prefixes: list[list[int]] = []
         self.next_block = 1
@@ -134,14 +158,15 @@ class _Run:
         return _Req(f"r{self.arrival_id}", toks, len(toks),
                     rng.randrange(*self.args.output_tokens))
 
-    def admit(self, r: _Req, acc_step: dict[str, float]) -> None:
-        sched = self.sched
+    def admit(self, r: _Req, acc_step: dict[str, float], measured: bool = True) -> None:
+        sched, calls = self.sched, self.calls if measured else None
         _timed(acc_step, "add_request", lambda: sched.add_request(r.rid))
-        n = _timed(acc_step, "lookup", lambda: sched.lookup(r.rid, r.tokens, 0))
+        n = _timed(acc_step, "lookup", lambda: sched.lookup(r.rid, r.tokens, 0), calls)
         r.blocks = self.new_blocks(-(-len(r.tokens) // self.BLOCK))
         if n:
             self.hits += 1
-            _timed(acc_step, "start_load", lambda: sched.start_load(r.rid, n, [r.blocks]))
+            _timed(acc_step, "start_load", lambda: sched.start_load(r.rid, n, [r.blocks]),
+                   calls)
             r.computed = n
 
     def warm_start(self) -> None:
@@ -149,14 +174,14 @@ class _Run:
         rng = self.rng
         for _ in range(self.args.running):
             r = self.arrive()
-            self.admit(r, {})
+            self.admit(r, {}, measured=False)
             r.computed = rng.randrange(r.computed, r.end)
             r.tokens += [rng.randrange(32000)
                          for _ in range(max(0, r.computed - len(r.tokens)))]
             r.blocks += self.new_blocks(max(0, -(-r.computed // self.BLOCK) - len(r.blocks)))
             self.running.append(r)
 
-    def step(self) -> tuple[float, dict[str, float]]:
+    def step(self, measured: bool = True) -> tuple[float, dict[str, float]]:
         """One engine step; its seconds and the time of each scheduler call."""
         from kvtier.protocol import WorkerReport
 
@@ -170,10 +195,12 @@ class _Run:
             if r.computed >= r.end:
                 _timed(acc_step, "request_finished", lambda r=r: sched.request_finished(r.rid))
                 running[i] = self.arrive()
-                self.admit(running[i], acc_step)
+                self.admit(running[i], acc_step, measured)
                 self.arrivals += 1
         self._schedule(acc_step)
         plan = _timed(acc_step, "build_step", sched.build_step)
+        if self.store_poll is not None:  # as the connector does after each plan (store_link)
+            _timed(acc_step, "store_poll", self.store_poll)
         rep = WorkerReport()
         for job in plan.saves:
             rep.saves[job.job_id] = [1, 0]
@@ -208,10 +235,43 @@ class _Run:
             r.computed = after
 
 
+def _store_index(url: str | None) -> Callable[..., Any] | None:
+    """The scheduler's index factory for a store at ``url`` (None: in-process)."""
+    if url is None:
+        return None
+    from kvtier.store.client import StoreClient
+    from kvtier.store.index import StoreIndex, attach_spec
+
+    def make(specs: Any, layout: Any) -> Any:
+        index = StoreIndex(StoreClient(url), attach_spec(b"kvtier-bench-planner", specs, layout))
+        if not index.up:
+            raise SystemExit(f"kvtier bench planner: no kvtier store answers at {url}")
+        return index
+
+    return make
+
+
 def run(args: argparse.Namespace) -> int:
-    bench = _Run(args)
-    print(f"kvtier bench planner: {bench.capacity:,} slots, filling {args.stored_chunks:,} "
-          f"chunks in prefixes of {args.prefix_chunks} ...", flush=True)
+    if args.store_size is None:
+        return _run(args, args.store_url)
+    import tempfile
+    from pathlib import Path
+
+    from kvtier.testing.store_process import StoreProcess
+
+    with tempfile.TemporaryDirectory() as d:
+        store = StoreProcess(Path(d), size=args.store_size, lease_ttl=30).start(timeout=600)
+        try:
+            return _run(args, store.url)
+        finally:
+            store.stop()
+
+
+def _run(args: argparse.Namespace, store_url: str | None) -> int:
+    bench = _Run(args, store_url)
+    where = f"through the store {store_url}" if store_url else "in-process index"
+    print(f"kvtier bench planner: {bench.capacity:,} slots ({where}), filling "
+          f"{args.stored_chunks:,} chunks in prefixes of {args.prefix_chunks} ...", flush=True)
     bench.fill()
     per_step_us: list[float] = []
     acc: dict[str, float] = {}
@@ -220,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _progress(total_steps)
     bench.warm_start()
     for step in range(total_steps):
-        elapsed, acc_step = bench.step()
+        elapsed, acc_step = bench.step(measured=step >= warmup)
         if step >= warmup:
             per_step_us.append(elapsed / len(bench.running) * 1e6)
             for k, v in acc_step.items():
@@ -228,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
         progress(step + 1)
     print()
     result = _result(args, bench, per_step_us, acc)
+    result["index"] = "store" if store_url else "in-process"
     _report(result, args.out)
     _print_result(result)
     return 0
@@ -253,7 +314,8 @@ def _result(args: argparse.Namespace, bench: _Run, per_step_us: list[float],
         "evictions": sched.index.evictions,
         "batch_tokens": args.batch_tokens, "output_tokens": list(args.output_tokens),
         "saves_committed": sched.stats.saves_committed, "fill_seconds": bench.fill_s,
-        "target_us": TARGET_US,
+        "target_us": TARGET_US, "token_bytes": args.token_bytes,
+        "per_call_us": {k: _summary(v) for k, v in bench.calls.items()},
     }
     # the target is met when even the 99th-percentile step costs at most 100 µs a request
     result["target_met"] = result["us_per_request_step"]["p99"] <= TARGET_US
@@ -268,8 +330,16 @@ def _print_result(result: dict[str, Any]) -> None:
     print("breakdown (mean):")
     for k, v in result["breakdown_us_per_request_step"].items():
         print(f"  {k:<20}{v:>16.2f}")
+    for k, v in result["per_call_us"].items():
+        print(f"  per {k} call: p50 {v['p50']:.1f} µs, p99 {v['p99']:.1f} µs ({v['calls']} calls)")
     print(f"\ntarget <= {TARGET_US:.0f} µs per request per step (p99): "
           f"{'met' if result['target_met'] else 'NOT met'} (p50 {p50:.1f} µs)")
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    us = [x * 1e6 for x in seconds]
+    return {"calls": len(us), "p50": statistics.median(us), "p99": _pct(us, 0.99),
+            "max": max(us)}
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -90,6 +90,22 @@ class Index(ABC):
         """WRITING -> READY. False when the entry was doomed meanwhile, or is a state object
         whose set or chunk is not stored (its slot is freed, with the set's other members)."""
 
+    def stored_or_writing(self, num_groups: int, keys: Sequence[bytes]) -> list[list[bool]]:
+        """For each of the first ``num_groups`` groups, whether each of ``keys`` has a live
+        entry (:meth:`get` is not None), asked at once (one round trip for an index behind
+        a socket)."""
+        return [[self.get(g, k) is not None for k in keys] for g in range(num_groups)]
+
+    def flush(self) -> None:
+        """Send what :meth:`commit_without_answer` and the other answerless calls queued
+        (an index behind a socket); nothing to do for an in-process index."""
+        return None
+
+    def commit_without_answer(self, entry: Entry) -> None:
+        """:meth:`commit` where the caller needs no answer: an index behind a socket may send
+        it later, ahead of its next request (:class:`kvtier.store.index.StoreIndex`)."""
+        self.commit(entry)
+
     @abstractmethod
     def abort(self, entry: Entry) -> None: ...
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 from kvtier.store import framing
 
 SCHEME = "unix://"
+logger = logging.getLogger("kvtier.store")
 
 
 class StoreDown(ConnectionError):
@@ -89,9 +91,13 @@ class StoreClient:
                           int(reply["arena_bytes"]), float(reply["lease_ttl"]))
 
     def call(self, op: str, **args: Any) -> Any:
+        """``op``'s answer; ``pre``: requests run first whose answers nobody waits for
+        (what of them failed is logged)."""
         reply, fds = self._exchange({"op": op, **args})
         for fd in fds:
             os.close(fd)
+        if reply.get("pre_errors"):
+            logger.warning("kvtier store: queued requests failed: %s", reply["pre_errors"])
         return reply.get("r")
 
     def _exchange(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

@@ -17,6 +17,14 @@ returns, within the client's timeout. Contract beyond :class:`~kvtier.index.base
   before the crash reads the right bytes from the old mapping.
 - Each attach is an *epoch*; an entry handed out in one epoch is inert in later ones
   (its handle belongs to a closed connection).
+- Requests whose answer nobody waits for (``unpin``, ``abort``, ``discard``, ``touch`` and
+  :meth:`~kvtier.index.base.Index.commit_without_answer`) cost no round trip of their own:
+  they are queued and go out, in order, ahead of the next request on the connection (the
+  store runs them first, :data:`kvtier.store.ops.DEFERRABLE`), or at the latest with
+  :meth:`StoreIndex.flush`, which the scheduler calls at the end of each worker report (its
+  commits and unpins: one round trip), and :meth:`StoreIndex.poll`, once per step. Every answer the engine reads therefore reflects
+  them; other engines see them at most one step later. Queued requests of a lost connection
+  are dropped (the store released everything the connection held).
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ from kvtier.store.client import Attachment, StoreClient, StoreDown, StoreRefused
 
 logger = logging.getLogger("kvtier.store")
 _MAX_LEASED = 1 << 16  # remembered leased slots (for pins while the store is down)
-_READS = frozenset({"view", "is_ready", "match", "get", "stats", "check"})
+_READS = frozenset({"view", "is_ready", "match", "get", "stats", "check", "flush",
+                    "stored_or_writing"})
 
 
 class StoreEntry(Entry):
@@ -86,6 +95,7 @@ class StoreIndex(Index):
         self._view_slots: list[list[int]] = []
         self._view_pos: dict[bytes, int] = {}
         self._view_until = 0.0
+        self._deferred: list[dict[str, Any]] = []  # requests that go out with the next one
         self.poll()
 
     # -- the connection ---------------------------------------------------------------------
@@ -93,7 +103,8 @@ class StoreIndex(Index):
         """Attach again if down and ``retry_seconds`` passed; whether attached now."""
         self._drop_view()
         if self.client.connected:
-            return True
+            self.flush()
+            return self.client.connected
         now = self._clock()
         if now < self._next_try:
             return False
@@ -110,6 +121,7 @@ class StoreIndex(Index):
         self.epoch += 1
         self.attachment = att
         self._leased.clear()
+        self._deferred.clear()
         self._logged_down = False
         logger.info("kvtier attached to the store %s (epoch %d)", self.client.path, self.epoch)
         if self.on_attach is not None:
@@ -122,7 +134,10 @@ class StoreIndex(Index):
         if op not in _READS:
             self._drop_view()
         if not self.client.connected:
+            self._deferred.clear()
             raise StoreDown("down")
+        if self._deferred:
+            args["pre"], self._deferred = self._deferred, []
         try:
             return self.client.call(op, **args)
         except StoreDown as e:
@@ -132,6 +147,18 @@ class StoreIndex(Index):
             logger.warning("kvtier store connection lost: recomputing until it returns, "
                            "retrying every %.1fs (%s)", self.retry_seconds, e)
             raise
+
+    def _defer(self, op: str, **args: Any) -> None:
+        """Queue a request whose answer nobody waits for (module docstring)."""
+        if op != "touch":
+            self._drop_view()  # a commit, abort or discard changes what is ready
+        self._deferred.append({"op": op, **args})
+
+    def flush(self) -> None:
+        """Send the queued requests now (one round trip; nothing if none is queued)."""
+        if self._deferred and self.client.connected:
+            with contextlib.suppress(StoreDown):
+                self._call("flush")
 
     @property
     def up(self) -> bool:
@@ -206,6 +233,14 @@ class StoreIndex(Index):
             return None
         return None if r is None else StoreEntry(group, key, int(r[0]), 0, -1)
 
+    def stored_or_writing(self, num_groups: int, keys: Sequence[bytes]) -> list[list[bool]]:
+        """One round trip; while down, nothing is (every save then drops at its reserve)."""
+        try:
+            return [list(map(bool, per)) for per in self._call(
+                "stored_or_writing", n=num_groups, keys=list(keys))]
+        except StoreDown:
+            return [[False] * len(keys) for _ in range(num_groups)]
+
     # -- writes -----------------------------------------------------------------------------
     def reserve(self, group: int, key: bytes, parent_key: bytes | None) -> Entry | SaveDrop:
         try:
@@ -224,6 +259,9 @@ class StoreIndex(Index):
         except StoreDown:
             return False
 
+    def commit_without_answer(self, entry: Entry) -> None:
+        self._on_entry("commit", entry)
+
     def abort(self, entry: Entry) -> None:
         self._on_entry("abort", entry)
 
@@ -232,8 +270,7 @@ class StoreIndex(Index):
 
     def _on_entry(self, op: str, entry: Entry) -> None:
         if self._live(entry):
-            with contextlib.suppress(StoreDown):
-                self._call(op, h=entry.handle)  # type: ignore[attr-defined]
+            self._defer(op, h=entry.handle)  # type: ignore[attr-defined]
 
     # -- pins -------------------------------------------------------------------------------
     def pin(self, group: int, keys: Sequence[bytes]) -> list[Entry]:
@@ -257,12 +294,11 @@ class StoreIndex(Index):
     def unpin(self, entries: Sequence[Entry]) -> None:
         live = [e.handle for e in entries if self._live(e)]  # type: ignore[attr-defined]
         if live:
-            with contextlib.suppress(StoreDown):
-                self._call("unpin", hs=live)
+            self._defer("unpin", hs=live)
 
     def touch(self, group: int, keys: Sequence[bytes]) -> None:
-        with contextlib.suppress(StoreDown):
-            self._call("touch", g=group, keys=list(keys))
+        if self.client.connected:
+            self._defer("touch", g=group, keys=list(keys))
 
     def reset(self) -> int:
         try:

@@ -18,6 +18,9 @@ from kvtier.store.leases import ClientHolds
 from kvtier.store.space import Space
 
 Op = Callable[[Space, ClientHolds, dict[str, Any], float], Any]
+# requests a client may queue and send ahead of its next one (``pre``): nobody waits for
+# their answer (kvtier.store.index.StoreIndex)
+DEFERRABLE = frozenset({"commit", "abort", "discard", "unpin", "touch"})
 
 
 def _lease_ready(space: Space, holds: ClientHolds, group: int, keys: list[bytes],
@@ -63,6 +66,19 @@ def view(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> A
                 slots.append(-1)
         out.append(slots)
     return out
+
+
+def stored_or_writing(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float
+                      ) -> Any:
+    """Per group, whether each of ``keys`` has a live entry (ready or being written)."""
+    keys = [bytes(k) for k in msg["keys"]]
+    return [[space.index.get(g, k) is not None for k in keys]
+            for g in range(min(int(msg["n"]), len(space.index.groups)))]
+
+
+def flush(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """Nothing: what the client queued ahead of it (``pre``) is the point."""
+    return None
 
 
 def get(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
@@ -122,4 +138,5 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
-                                               pin, unpin, discard, touch, reset, stats, check)}
+                                               pin, unpin, discard, touch, reset, stats, check,
+                                               stored_or_writing, flush)}

@@ -30,7 +30,7 @@ from typing import Any
 from kvtier.config import format_bytes
 from kvtier.store import framing
 from kvtier.store.leases import ClientHolds
-from kvtier.store.ops import OPS
+from kvtier.store.ops import DEFERRABLE, OPS
 from kvtier.store.pool import ArenaMap, PoolError, create_pool_fd
 from kvtier.store.space import Space, layout_id
 
@@ -150,15 +150,34 @@ class Session:
                     return {"id": rid, "ok": True, **self._attach(msg)}, [self.server.pool_fd]
                 if self.holds is None or self.space is None:
                     raise framing.ProtocolError("attach first")
+                failed = self._run_queued(msg.get("pre") or ())
                 fn = OPS.get(str(op))
                 if fn is None:
                     raise framing.ProtocolError(f"unknown op {op!r}")
-                return {"id": rid, "ok": True, "r": fn(self.space, self.holds, msg,
-                                                          self.server.lease_ttl)}, []
+                reply = {"id": rid, "ok": True, "r": fn(self.space, self.holds, msg,
+                                                        self.server.lease_ttl)}
+                if failed:
+                    reply["pre_errors"] = failed
+                return reply, []
         except KeyError as e:
             return {"id": rid, "ok": False, "error": "KeyError", "msg": str(e)}, []
         except (PoolError, ValueError, AssertionError, framing.ProtocolError) as e:
             return {"id": rid, "ok": False, "error": type(e).__name__, "msg": str(e)}, []
+
+    def _run_queued(self, queued: Any) -> list[str]:
+        """The requests the client queued ahead of this one (``DEFERRABLE``), in order; what
+        failed (its client logs it: nobody waits for their answers)."""
+        assert self.space is not None and self.holds is not None
+        failed = []
+        for sub in queued:
+            name = str(sub.get("op")) if isinstance(sub, dict) else "?"
+            if name not in DEFERRABLE:
+                raise framing.ProtocolError(f"op {name!r} cannot be queued")
+            try:
+                OPS[name](self.space, self.holds, sub, self.server.lease_ttl)
+            except (KeyError, ValueError, AssertionError) as e:
+                failed.append(f"{name}: {type(e).__name__}: {e}")
+        return failed
 
     def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.space is not None:

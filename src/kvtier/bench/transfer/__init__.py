@@ -38,6 +38,7 @@ speed).
 Modules: :mod:`~.cases` (families, cells and their jobs), :mod:`~.timing` (driving the engine
 as the worker does, spot checks), :mod:`~.gemm` (runs under a GEMM), :mod:`~.baselines`
 (ceiling, raw probes, naive path), :mod:`~.report` (targets, table, JSON, PNG),
+:mod:`~.pools` (the host memory: ``--host-pool pinned|slab|store``),
 :mod:`~.runner` (the run). This module is what :mod:`kvtier.bench` registers; it stays light
 (no torch) because the CLI imports it to build its parser.
 """
@@ -48,6 +49,7 @@ import argparse
 from collections.abc import Sequence
 
 from kvtier.bench.transfer.cases import FAMILIES, REGISTERED_LAYOUTS
+from kvtier.bench.transfer.pools import POOLS
 
 HELP = "GPU<->host KV transfer GB/s per layout and chunk size, vs the pinned-memcpy ceiling"
 
@@ -66,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the auto path's threshold to report (default: the engine's)")
     p.add_argument("--verify", action="store_true",
                    help="checksums at save and verified at load, as verify_checksums does")
+    p.add_argument("--host-pool", default="pinned", choices=POOLS,
+                   help="the host memory copied into: pinned (cudaHostAlloc), slab (an "
+                   "engine's in-process pool: registered), store (a private kvtier store's "
+                   "shared pool, attached and registered as a worker does)")
     p.add_argument("--tag", default="", help="extra text in the output file names")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on CPU (host runtime, TRITON_INTERPRET=1): checks the code")

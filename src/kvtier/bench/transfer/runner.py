@@ -25,6 +25,7 @@ from kvtier.bench.transfer.cases import (
     cache_case,
 )
 from kvtier.bench.transfer.gemm import Gemm, under_gemm
+from kvtier.bench.transfer.pools import host_pool
 from kvtier.bench.transfer.timing import run_phase, spot_check, warm
 
 
@@ -108,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from kvtier.config import KvtierConfig
     from kvtier.gpu.engine import DMA_MIN_PIECE
 
     smoke = bool(args.smoke)
@@ -124,7 +124,19 @@ def run(args: argparse.Namespace) -> int:
     meta = _metadata(smoke, device, span, thr)
     print(f"# kvtier bench transfer on {meta['gpu']} ({meta['date']})", flush=True)
     pinned_bytes = (max(2 * GIB, 2 * span) if not smoke else 2 * span) + 128 * MIB
-    host = torch.empty(pinned_bytes, dtype=torch.uint8, pin_memory=not smoke)
+    with host_pool(args.host_pool, pinned_bytes, cuda=not smoke) as (host, pool):
+        meta["host_pool"] = pool
+        print(f"host pool: {pool}", flush=True)
+        return _run_all(args, meta, device, host, chunks, span, thr)
+
+
+def _run_all(args: argparse.Namespace, meta: dict[str, Any], device: Any, host: Any,
+             chunks: list[int], span: int, thr: int) -> int:
+    import torch
+
+    from kvtier.config import KvtierConfig
+
+    smoke = bool(args.smoke)
     result: dict[str, Any] = {"meta": meta, "cells": [], "ceiling": None, "naive": None}
     if not smoke:
         _baselines(result, device, host, args.reps)
