@@ -409,8 +409,9 @@ class KvtierConfig(BaseModel):
         if self.store_url is not None and (self.disk_path is not None
                                            or self.remote_url is not None):
             raise ValueError(
-                "store_url excludes disk_path and remote_url: the store's tiers below DRAM "
-                "are the store's (none yet); unset disk_path and remote_url"
+                "store_url excludes disk_path and remote_url: an engine attached to the "
+                "store uses the store's tiers below DRAM, configured on the store (kvtier "
+                "store --disk-path DIR --disk-size SIZE); unset disk_path and remote_url"
             )
         if (self.disk_path is None) != (self.disk_size is None):
             raise ValueError(

@@ -24,6 +24,7 @@ from kvtier.scheduler import (
     ScheduledTokens,
     StepInput,
 )
+from kvtier.store.promotions import store_lower
 from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
 from kvtier.vllm.cold_lookups import ColdLookups
@@ -289,13 +290,15 @@ class SchedulerSide:
                 self.remote = open_remote_tier(setup.config, geometry, ns, slab_layout,
                                                num_shards)
         lower = self.disk.lower if self.disk else self.remote.lower if self.remote else None
+        if setup.config.store_url:  # the store's own tiers below its pool (kvtier.store.tiers)
+            lower = store_lower(ns, geometry)
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
                                           prepare_hits=prepares_hits(setup),
                                           draft_lookahead=setup.draft_lookahead,
                                           lower=lower,
-                                          index_factory=store_index_factory(setup, ns)
+                                          index_factory=store_index_factory(setup, ns, geometry)
                                           if setup.config.store_url else None)
         for req in list(self.requests.values()):
             self._ensure_request(req)
