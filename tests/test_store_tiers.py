@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from _disk_loop import prompt
 from _store_disk import StoreLoop, store_config, wait_for
 from kvtier.store.client import StoreClient, StoreRefused
-from kvtier.store.tiers import record_bytes
+from kvtier.store.tiers import TICK_S, record_bytes
 from kvtier.testing.store_process import StoreProcess
 from kvtier.tiers.disk import chunk_name, file_bytes, namespace_dir
 
@@ -43,13 +44,19 @@ def _push_to_disk(loop: StoreLoop, tokens: list[int], first_seed: int = 100) -> 
         assert seed < first_seed + 40, "the store never demoted the prompt"
         loop.prefill(f"fill{seed}", prompt(seed))
         seed += 1
-        wait_for(lambda: loop.index.stats().free_slots >= 3, timeout=10)  # demotions caught up
+        time.sleep(4 * TICK_S)  # the store's tier thread saw the saves
+        wait_for(lambda: loop.disk_stats()["in_flight"] == 0, timeout=10)  # and caught up
     wait_for(lambda: all(n >= 3 for n in loop.disk_stats()["stored"]))  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("world", [1, 2])
 def test_a_chunk_evicted_from_the_pool_comes_back_from_the_stores_disk_bit_exact(
-        store: StoreProcess, disk: Path) -> None:
-    loop = StoreLoop(store_config(store_url=store.url))
+        store: StoreProcess, disk: Path, world: int) -> None:
+    # verify_checksums: the load after the promotion checks the slot against the checksum
+    # row the store restored with it; two ranks: the store moves both shards
+    cfg = store_config(store_url=store.url, verify_checksums=True,
+                       dram_size=f"{128 * world}KiB")  # the same slots per shard
+    loop = StoreLoop(cfg, world=world)
     try:
         assert loop.index.attachment is not None and loop.index.attachment.lower
         a = prompt(1)
@@ -62,12 +69,16 @@ def test_a_chunk_evicted_from_the_pool_comes_back_from_the_stores_disk_bit_exact
         assert deferred >= 1  # the lookup waited for the promotion, within the bound
         after = loop.disk_stats()
         assert after["promotions"] == before["promotions"] + 3  # type: ignore[operator]
+        assert all(failed == 0 for r in loop.reports for _, failed in r.loads.values())
+        assert all(r.worker.checksum_failures == 0 for r in loop.ranks)
         assert loop.sched.stats.tier_hits["disk"] == 1
         assert loop.sched.tier is not None and loop.sched.tier.stats.hits == 1
         # the files are the store's, under the namespace's directory
         ns = loop.sched.namespace
         keys = loop.keys(a)
-        assert (namespace_dir(disk, ns) / "shard0" / chunk_name(0, keys[0], None)).is_file()
+        for shard in range(world):
+            name = chunk_name(0, keys[0], None)
+            assert (namespace_dir(disk, ns) / f"shard{shard}" / name).is_file()
         loop.sched.check_drained()
     finally:
         loop.close()

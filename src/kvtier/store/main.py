@@ -65,8 +65,11 @@ def open_disk(args: argparse.Namespace) -> StoreDisk | None:
         raise ConfigError("--disk-max-pending-chunks must be at least 1")
     from kvtier.store.tiers import StoreDisk  # imports torch: only with a disk
 
-    return StoreDisk(os.path.abspath(args.disk_path), parse_bytes(args.disk_size),
-                     args.disk_max_pending_chunks)
+    try:
+        return StoreDisk(os.path.abspath(args.disk_path), parse_bytes(args.disk_size),
+                         args.disk_max_pending_chunks)
+    except ConfigError as e:  # its text names the engine's settings: say which flags
+        raise ConfigError(f"--disk-path/--disk-size: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

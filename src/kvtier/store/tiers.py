@@ -233,7 +233,8 @@ class SpaceTier:
         return {"stored": [cat.stored(g) for g in range(len(self.geometry.groups))],
                 "capacity": cat.capacity, "demotions": s.demotions, "promotions": s.promotions,
                 "checksum_failures": s.checksum_failures, "tier_full": s.tier_full,
-                "demotions_dropped": s.demotions_dropped}
+                "demotions_dropped": s.demotions_dropped,
+                "in_flight": len(self.scheduler.jobs)}
 
     def reset(self) -> None:
         self.scheduler.catalog.index.reset()  # the files go with the next round's deletes
