@@ -38,6 +38,7 @@ import itertools
 import logging
 import mmap
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +63,12 @@ logger = logging.getLogger("kvtier.store")
 
 TICK_S = 0.005
 """Seconds between the tier thread's rounds (demotions planned, completions taken)."""
+
+BURST_BUCKET_S, BURST_WINDOW_S = 0.1, 2.0
+"""The burst that demotions leave free slots for: the most chunks reserved in one
+``BURST_BUCKET_S`` over the last ``BURST_WINDOW_S`` (an engine's step of saves reaches the
+store as several requests, over several of its rounds, and engines' steps are far longer
+than a round)."""
 
 SlotViews = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 """(group, slot) -> one shard's slot bytes and its checksum-table row (bytes), in the pool."""
@@ -157,7 +164,8 @@ class SpaceTier:
                             self._views(pool, arena.offset, shard),
                             max_jobs=disk.max_pending_chunks + 64, name="store-disk")
             for shard in range(layout.num_shards)]
-        self.saves = 0  # chunks reserved in the arena since the last round (the burst)
+        self.saves = 0  # chunks reserved in the arena since the last round
+        self._buckets: deque[list[int]] = deque()  # [bucket number, chunks reserved in it]
         self.owners: dict[int, ClientHolds] = {}  # promotion job -> the engine that asked
         self.results: dict[int, tuple[ClientHolds, bool]] = {}  # landed, not yet polled
 
@@ -182,12 +190,21 @@ class SpaceTier:
                 report.take(c)
         if report.jobs or report.full:
             self.scheduler.on_report(report)
-        saves, self.saves = self.saves, 0
-        plan = self.scheduler.take_plan(saves)
+        plan = self.scheduler.take_plan(self._burst(time.monotonic()))
         if plan is not None:
             for job in plan.jobs:
                 for r in self.runners:
                     r.submit(job)
+
+    def _burst(self, now: float) -> int:
+        bucket = int(now / BURST_BUCKET_S)
+        if not self._buckets or self._buckets[-1][0] != bucket:
+            self._buckets.append([bucket, 0])
+        self._buckets[-1][1] += self.saves
+        self.saves = 0
+        while self._buckets[0][0] <= bucket - BURST_WINDOW_S / BURST_BUCKET_S:
+            self._buckets.popleft()
+        return max(n for _, n in self._buckets)
 
     # -- promotions -------------------------------------------------------------------------
     def promote(self, holds: ClientHolds, keys: list[bytes], num_tokens: int,
