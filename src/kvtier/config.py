@@ -347,7 +347,8 @@ class KvtierConfig(BaseModel):
         default=None,
         description="The node-wide store to attach to (`kvtier store`), as "
         "unix:///absolute/socket/path; its pool and index replace this engine's own "
-        "(dram_size is then this engine's quota in the store). Unset: an in-process pool.",
+        "(dram_size is then this engine's quota in the store), and so do its tiers below "
+        "DRAM (`kvtier store --disk-path`). Unset: an in-process pool.",
     )
     model_revision: str = Field(
         default="", description="Weight revision; part of the key namespace."
