@@ -11,9 +11,11 @@ import pytest
 from _disk_loop import prompt
 from _store_disk import StoreLoop, store_config, wait_for
 from kvtier.store.client import StoreClient, StoreRefused
+from kvtier.store.promotions import STATS_MAX_AGE_S
 from kvtier.store.tiers import TICK_S, record_bytes
 from kvtier.testing.store_process import StoreProcess
 from kvtier.tiers.disk import chunk_name, file_bytes, namespace_dir
+from kvtier.vllm.counters import scheduler_counts
 
 POOL = "4MiB"
 DISK = "32MiB"  # a 128 KiB arena's share: 1 MiB, 64 chunk files of 16 KiB
@@ -72,6 +74,10 @@ def test_a_chunk_evicted_from_the_pool_comes_back_from_the_stores_disk_bit_exact
         assert all(failed == 0 for r in loop.reports for _, failed in r.loads.values())
         assert all(r.worker.checksum_failures == 0 for r in loop.ranks)
         assert loop.sched.stats.tier_hits["disk"] == 1
+        time.sleep(STATS_MAX_AGE_S)
+        counts = scheduler_counts(loop.sched)  # the disk gauges read the store's catalog
+        assert counts["gauge_disk_chunks_stored"] == after["stored"][0]  # type: ignore[index]
+        assert counts["gauge_disk_chunks_total"] == after["capacity"]
         assert loop.sched.tier is not None and loop.sched.tier.stats.hits == 1
         # the files are the store's, under the namespace's directory
         ns = loop.sched.namespace

@@ -19,7 +19,8 @@ Contract (the scheduler's preparation step, :mod:`kvtier.prepare`, is unchanged)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.geometry import Geometry
@@ -34,15 +35,28 @@ from kvtier.tiers.seam import TierPlan, TierReport
 TIER_NAME = "disk"
 
 
-class StoreCatalog:
-    """The store's disk catalog of this namespace, as the disk gauges read it."""
+STATS_MAX_AGE_S = 1.0
+"""The disk gauges read the store's numbers at most this often (metrics are read every
+step; a round trip per gauge per step would cost the step loop)."""
 
-    def __init__(self, index: StoreIndex) -> None:
+
+class StoreCatalog:
+    """The store's disk catalog of this namespace, as the disk gauges read it (at most
+    :data:`STATS_MAX_AGE_S` old)."""
+
+    def __init__(self, index: StoreIndex, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = self  # OffloadScheduler.reset resets ``tier.catalog.index``
         self._store = index
+        self._clock = clock
+        self._cached: dict[str, Any] = {}
+        self._until = 0.0
 
     def _stats(self) -> dict[str, Any]:
-        return (self._store.disk_stats() if self._store.has_lower else None) or {}
+        now = self._clock()
+        if now >= self._until:
+            self._until = now + STATS_MAX_AGE_S
+            self._cached = (self._store.disk_stats() if self._store.has_lower else None) or {}
+        return self._cached
 
     def stored(self, group: int) -> int:
         stored = self._stats().get("stored", [])
