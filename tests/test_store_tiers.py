@@ -114,8 +114,9 @@ def test_a_corrupted_file_on_the_stores_disk_is_a_miss_and_counted(
         loop.close()
 
 
+@pytest.mark.parametrize("end", ["stop", "kill"])
 def test_a_restarted_store_with_the_same_directory_serves_hits_from_disk(
-        tmp_path: Path, disk: Path) -> None:
+        tmp_path: Path, disk: Path, end: str) -> None:
     store = StoreProcess(tmp_path, size=POOL, disk=(disk, DISK)).start()
     a = prompt(3)
     try:
@@ -124,7 +125,10 @@ def test_a_restarted_store_with_the_same_directory_serves_hits_from_disk(
         _push_to_disk(loop, a)
         loop.close()
     finally:
-        store.stop()
+        if end == "kill":
+            store.kill()  # SIGKILL: no cleanup of any kind runs in the store
+        else:
+            store.stop()
     store = StoreProcess(tmp_path, size=POOL, disk=(disk, DISK)).start()
     try:
         loop = StoreLoop(store_config(store_url=store.url))  # a restarted engine, too
