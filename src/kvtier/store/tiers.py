@@ -54,7 +54,7 @@ from kvtier.store.leases import ClientHolds
 from kvtier.store.pool import Arena
 from kvtier.tiers.catalog import TierCatalog
 from kvtier.tiers.cost import TierCost
-from kvtier.tiers.directory import DirectoryLock, check_disk_path, dir_bytes, scan
+from kvtier.tiers.directory import DirectoryLock, check_disk_path, scan
 from kvtier.tiers.disk import DiskChunkStore, file_bytes, namespace_dir
 from kvtier.tiers.schedule import LowerTier, TierScheduler
 from kvtier.tiers.seam import ChunkStore, TierJobKind, TierOp, TierReport, TierRunner
@@ -77,15 +77,11 @@ SlotViews = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 class StoreDisk:
     """The store's disk directory: checked and locked at start, one tier per namespace."""
 
-    def __init__(self, path: str, size: int, max_pending_chunks: int = 256,
-                 allow_memory_fs: bool = False,
-                 store: Callable[[Path, int, bytes], ChunkStore] | None = None) -> None:
-        check_disk_path(path, size, Path(path), allow_memory_fs=allow_memory_fs)
+    def __init__(self, path: str, size: int, max_pending_chunks: int = 256) -> None:
+        check_disk_path(path, size, Path(path))  # counting every namespace's files there
         self.path, self.size = path, size
         self.max_pending_chunks = max_pending_chunks
         self.lock = DirectoryLock(path)
-        self.make_store = store or (lambda root, shard, ns: DiskChunkStore(root, shard, ns))
-        self.stored_bytes_at_start = dir_bytes(Path(path))
 
     def close(self) -> None:
         self.lock.close()
@@ -160,7 +156,7 @@ class SpaceTier:
             lower, index, allocator, list(geometry.slot_classes), geometry, config, estimates,
             layout.num_shards, itertools.count(1), on_landed=self._landed)
         self.runners = [
-            ArenaTierRunner(disk.make_store(self.root, shard, namespace),
+            ArenaTierRunner(DiskChunkStore(self.root, shard, namespace),
                             self._views(pool, arena.offset, shard),
                             max_jobs=disk.max_pending_chunks + 64, name="store-disk")
             for shard in range(layout.num_shards)]
