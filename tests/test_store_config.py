@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -21,9 +23,10 @@ def test_store_url_takes_a_unix_socket_url_only() -> None:
 
 
 def test_store_url_excludes_an_engine_disk_or_remote_tier() -> None:
-    with pytest.raises(ConfigError, match="store_url excludes disk_path and remote_url"):
+    with pytest.raises(ConfigError, match="store_url excludes disk_path and remote_url") as e:
         KvtierConfig.load({"store_url": "unix:///s", "disk_path": "/d", "disk_size": "1GiB"},
                           environ={})
+    assert "kvtier store --disk-path" in str(e.value)  # where the store's disk is configured
     with pytest.raises(ConfigError, match="store_url excludes disk_path and remote_url"):
         KvtierConfig.load({"store_url": "unix:///s", "remote_url": "redis://127.0.0.1:6379"},
                           environ={})
@@ -40,4 +43,25 @@ def test_kvtier_store_refuses_bad_settings_at_start(tmp_path, args, message) -> 
                        timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r
     assert message in r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize(("disk", "message"), [
+    (["--disk-path", "{tmp}/d"], "--disk-path and --disk-size go together"),
+    (["--disk-path", "/dev/shm/kvtier-store-test-{pid}", "--disk-size", "1MiB"], "tmpfs"),
+    (["--disk-path", "{tmp}/d", "--disk-size", "100000TiB"], "lower disk_size"),
+])
+def test_kvtier_store_refuses_a_bad_disk_at_start(tmp_path, disk, message) -> None:  # type: ignore[no-untyped-def]
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{pid}", str(os.getpid()))
+            for a in disk]
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", "--socket",
+                            str(tmp_path / "s.sock"), "--size", "8MiB", *args],
+                           capture_output=True, text=True, timeout=120,
+                           env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    finally:
+        if args[1].startswith("/dev/shm/"):
+            shutil.rmtree(args[1], ignore_errors=True)
+    assert r.returncode == 2, r
+    assert message in r.stderr and "--disk-path" in r.stderr
     assert not (tmp_path / "s.sock").exists()

@@ -352,7 +352,8 @@ class KvtierConfig(BaseModel):
         default=None,
         description="The node-wide store to attach to (`kvtier store`), as "
         "unix:///absolute/socket/path; its pool and index replace this engine's own "
-        "(dram_size is then this engine's quota in the store). Unset: an in-process pool.",
+        "(dram_size is then this engine's quota in the store), and so do its tiers below "
+        "DRAM (`kvtier store --disk-path`). Unset: an in-process pool.",
     )
     model_revision: str = Field(
         default="", description="Weight revision; part of the key namespace."
@@ -414,8 +415,9 @@ class KvtierConfig(BaseModel):
         if self.store_url is not None and (self.disk_path is not None
                                            or self.remote_url is not None):
             raise ValueError(
-                "store_url excludes disk_path and remote_url: the store's tiers below DRAM "
-                "are the store's (none yet); unset disk_path and remote_url"
+                "store_url excludes disk_path and remote_url: an engine attached to the "
+                "store uses the store's tiers below DRAM, configured on the store (kvtier "
+                "store --disk-path DIR --disk-size SIZE); unset disk_path and remote_url"
             )
         if (self.disk_path is None) != (self.disk_size is None):
             raise ValueError(

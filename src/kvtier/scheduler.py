@@ -233,7 +233,8 @@ class OffloadScheduler:
         # the lower tiers below the slab, top first (the disk, the remote store): demotions,
         # write-through, promotions (kvtier.tiers.stack)
         lowers = [] if lower is None else [lower] if isinstance(lower, LowerTier) else lower
-        self.stack: TierStack | None = None if not lowers else TierStack(
+        self.stack: TierStack | None = None if not lowers else (
+            lowers[0].make_stack or TierStack)(
             lowers, self.index, self.allocator, self.slot_class, geometry, config,
             self.estimates, world_size, self._job_ids, self._on_promoted)
 
@@ -740,7 +741,7 @@ class OffloadScheduler:
             for e in js.entries:
                 if js.failed:
                     self.index.abort(e)
-                elif self.stack is None:
+                elif self.stack is None or not self.stack.notes_saves:
                     self.index.commit_without_answer(e)  # the store's: no round trip
                 elif self.index.commit(e):
                     self.stack.note_saved(e)

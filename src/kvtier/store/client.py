@@ -52,6 +52,7 @@ class Attachment:
     arena_offset: int
     arena_bytes: int
     lease_ttl: float
+    lower: bool = False  # the store has a disk tier for this namespace (kvtier.store.tiers)
 
 
 class StoreClient:
@@ -88,7 +89,8 @@ class StoreClient:
         for extra in fds[1:]:
             os.close(extra)
         return Attachment(fds[0], int(reply["pool_bytes"]), int(reply["arena_offset"]),
-                          int(reply["arena_bytes"]), float(reply["lease_ttl"]))
+                          int(reply["arena_bytes"]), float(reply["lease_ttl"]),
+                          bool(reply.get("lower", False)))
 
     def call(self, op: str, **args: Any) -> Any:
         """``op``'s answer; ``pre``: requests run first whose answers nobody waits for

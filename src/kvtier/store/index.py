@@ -42,6 +42,7 @@ from kvtier.index.memory import GroupIndexSpec
 from kvtier.protocol import SaveDrop
 from kvtier.slab import SlabLayout
 from kvtier.store.client import Attachment, StoreClient, StoreDown, StoreRefused
+from kvtier.store.space import encode_geometry, encode_layout
 
 logger = logging.getLogger("kvtier.store")
 _MAX_LEASED = 1 << 16  # remembered leased slots (for pins while the store is down)
@@ -58,13 +59,19 @@ class StoreEntry(Entry):
         self.epoch = epoch
 
 
-def attach_spec(namespace: bytes, specs: Sequence[GroupIndexSpec],
-                layout: SlabLayout) -> dict[str, Any]:
-    """What an engine attaches with: its namespace, its slab layout (the arena's size and
-    slot counts) and its groups' index specs (the scheduler's, see :func:`geometry_specs`)."""
-    return {"namespace": namespace, "arena_bytes": layout.total_bytes,
+def attach_spec(namespace: bytes, specs: Sequence[GroupIndexSpec], layout: SlabLayout,
+                geometry: Geometry | None = None) -> dict[str, Any]:
+    """What an engine attaches with: its namespace, its slab layout (the arena's size, slot
+    counts, and where slots and checksum tables lie) and its groups' index specs (the
+    scheduler's, see :func:`geometry_specs`); ``geometry``: what the store's disk tier needs
+    to find a namespace's hits (without it the namespace gets no disk tier)."""
+    spec = {"namespace": namespace, "arena_bytes": layout.total_bytes,
             "slots": [c.num_slots for c in layout.classes],
-            "groups": [[s.slot_class, s.chained, s.boundary_state] for s in specs]}
+            "groups": [[s.slot_class, s.chained, s.boundary_state] for s in specs],
+            "layout": encode_layout(layout)}
+    if geometry is not None:
+        spec["geometry"] = encode_geometry(geometry)
+    return spec
 
 
 def geometry_specs(geometry: Geometry) -> list[GroupIndexSpec]:
@@ -305,6 +312,39 @@ class StoreIndex(Index):
             return int(self._call("reset"))
         except StoreDown:
             return 0
+
+    # -- the store's disk (kvtier.store.tiers) ----------------------------------------------
+    @property
+    def has_lower(self) -> bool:
+        """The store has a disk tier for this namespace (as of the current attach)."""
+        return self.up and self.attachment is not None and self.attachment.lower
+
+    def promote(self, keys: Sequence[bytes], num_tokens: int,
+                hbm_tokens: int) -> tuple[int, int] | None:
+        """Ask the store to promote what its disk adds to this lookup's DRAM hit: (the
+        store's job, tokens it adds), or None (nothing to add, or the store is down)."""
+        try:
+            r = self._call("promote", keys=list(keys), num_tokens=num_tokens,
+                           hbm_tokens=hbm_tokens)
+        except StoreDown:
+            return None
+        return None if r is None else (int(r[0]), int(r[1]))
+
+    def promoted(self, jobs: Sequence[int]) -> dict[int, bool] | None:
+        """Of this epoch's promotion ``jobs``, those that landed (whether each verified
+        whole); None if the store is down (they are lost with its epoch)."""
+        try:
+            r = self._call("promoted", jobs=list(jobs))
+        except StoreDown:
+            return None
+        return {int(j): bool(ok) for j, ok in r.items()}
+
+    def disk_stats(self) -> dict[str, Any] | None:
+        """The namespace's disk tier (stored chunks per group, capacity, counters), or None."""
+        try:
+            return self._call("stats").get("disk")  # type: ignore[no-any-return]
+        except StoreDown:
+            return None
 
     # -- accounting -------------------------------------------------------------------------
     def stats(self) -> IndexStats:

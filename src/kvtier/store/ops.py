@@ -92,6 +92,8 @@ def reserve(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -
                             None if parent is None else bytes(parent))
     if not isinstance(e, Entry):
         return {"drop": e.value}
+    if space.tier is not None:
+        space.tier.saves += 1  # the burst its demotions leave room for
     return {"h": holds.add_write(e), "slot": e.slot}
 
 
@@ -122,7 +124,25 @@ def touch(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
 
 
 def reset(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    if space.tier is not None:
+        space.tier.reset()
     return space.index.reset()
+
+
+def promote(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """A lookup's DRAM hit extended from the store's disk: [job, tokens added] while the
+    chunks are read into reserved slots (poll ``promoted``), or None."""
+    if space.tier is None:
+        return None
+    return space.tier.promote(holds, [bytes(k) for k in msg["keys"]], int(msg["num_tokens"]),
+                              int(msg["hbm_tokens"]))
+
+
+def promoted(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """{job: verified whole} of the asked promotions that landed (each answered once)."""
+    if space.tier is None:
+        return {}
+    return space.tier.promoted(holds, [int(j) for j in msg["jobs"]])
 
 
 def stats(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
@@ -130,7 +150,8 @@ def stats(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
     return {"stored": s.stored, "writing": s.writing, "pinned": s.pinned, "doomed": s.doomed,
             "evictions": s.evictions, "free_slots": s.free_slots,
             "mine": {"writes": len(holds.writes), "pins": sum(holds.pins.values()),
-                     "leases": len(holds.leases)}}
+                     "leases": len(holds.leases)},
+            "disk": None if space.tier is None else space.tier.stats()}
 
 
 def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
@@ -139,4 +160,4 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
                                                pin, unpin, discard, touch, reset, stats, check,
-                                               stored_or_writing, flush)}
+                                               stored_or_writing, flush, promote, promoted)}

@@ -14,6 +14,9 @@ Contract:
   (:meth:`kvtier.store.leases.ClientHolds.release_all`).
 - Leases expire ``lease_ttl`` seconds after the lookup that took them (a sweeper checks four
   times per TTL); hard pins never do.
+- With ``disk`` (:class:`kvtier.store.tiers.StoreDisk`) every namespace whose engines bring
+  their geometry gets a disk tier below its arena (:mod:`kvtier.store.tiers`), driven by a
+  tier thread under the same lock; the store maps its own pool for that I/O.
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import format_bytes
 from kvtier.store import framing
 from kvtier.store.leases import ClientHolds
 from kvtier.store.ops import DEFERRABLE, OPS
 from kvtier.store.pool import ArenaMap, PoolError, create_pool_fd
-from kvtier.store.space import Space, layout_id
+from kvtier.store.space import Space, decode_geometry, decode_layout, layout_id
+
+if TYPE_CHECKING:
+    from kvtier.store.tiers import StoreDisk
 
 logger = logging.getLogger("kvtier.store")
 _UCRED = struct.Struct("3i")
@@ -69,8 +75,9 @@ def bind_private(path: str) -> socket.socket:
 
 class StoreServer:
     def __init__(self, path: str, pool_size: int, lease_ttl: float = 30.0,
-                 policy: str = "lru") -> None:
+                 policy: str = "lru", disk: StoreDisk | None = None) -> None:
         self.path = path
+        self.disk = disk
         self.pool_size = pool_size
         self.lease_ttl = lease_ttl
         self.policy = policy
@@ -81,11 +88,20 @@ class StoreServer:
         self.released = {"writes": 0, "pins": 0, "leases": 0, "expired": 0}
         self.clients: set[ClientHolds] = set()
         self._stop = threading.Event()
+        self._pool_view: Any = None  # the store's own mapping of the pool (disk I/O)
+        if disk is not None:
+            from kvtier.store.pool import map_pool
+            from kvtier.store.tiers import pool_tensor
+
+            self._mapping = map_pool(self.pool_fd, pool_size)
+            self._pool_view = pool_tensor(self._mapping)
         self.sock = bind_private(path)
 
     # -- the loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
         threading.Thread(target=self._sweep, daemon=True, name="kvtier-store-sweep").start()
+        if self.disk is not None:
+            threading.Thread(target=self._tiers, daemon=True, name="kvtier-store-tiers").start()
         logger.info("kvtier store on %s: pool %s, lease ttl %.1fs", self.path,
                     format_bytes(self.pool_size), self.lease_ttl)
         while not self._stop.is_set():
@@ -106,6 +122,25 @@ class StoreServer:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        with self.lock:
+            for space in self.spaces.values():
+                if space.tier is not None:
+                    space.tier.close()
+                    space.tier = None
+        if self.disk is not None:
+            self.disk.close()
+
+    def _tiers(self) -> None:
+        from kvtier.store.tiers import TICK_S
+
+        while not self._stop.wait(TICK_S):
+            with self.lock:
+                for space in self.spaces.values():
+                    if space.tier is not None:
+                        try:
+                            space.tier.tick()
+                        except Exception:  # a broken round must not end the tier thread
+                            logger.exception("kvtier store: disk tier round failed")
 
     def _sweep(self) -> None:
         while not self._stop.wait(self.lease_ttl / 4):
@@ -191,11 +226,37 @@ class Session:
                             "every engine of one model")
         if space is None:
             space = self._new_space(ns, msg, lid)
+        if not space.tier_tried and "geometry" in msg and "layout" in msg:
+            self._open_tier(space, msg)
         space.attached += 1
         self.space, self.holds = space, ClientHolds(space.index)
         srv.clients.add(self.holds)
         return {"pool_bytes": srv.pool_size, "arena_offset": space.arena.offset,
-                "arena_bytes": space.arena.size, "lease_ttl": srv.lease_ttl}
+                "arena_bytes": space.arena.size, "lease_ttl": srv.lease_ttl,
+                "lower": space.tier is not None}
+
+    def _open_tier(self, space: Space, msg: dict[str, Any]) -> None:
+        """The namespace's share of the store's disk (none without one, or for a model with
+        other than full-attention groups)."""
+        srv = self.server
+        space.tier_tried = True
+        if srv.disk is None:
+            return
+        from kvtier.layout import GroupKind
+        from kvtier.store.tiers import SpaceTier
+
+        geometry = decode_geometry(msg["geometry"])
+        if any(g.kind is not GroupKind.FULL for g in geometry.groups):
+            logger.info("kvtier store: a namespace with other than full-attention groups "
+                        "keeps no chunks on disk")
+            return
+        budget = srv.disk.size * space.arena.size // srv.pool_size
+        try:
+            space.tier = SpaceTier(srv.disk, space.arena.namespace, geometry,
+                                   decode_layout(msg["layout"]), space.arena, srv._pool_view,
+                                   space.index, space.allocator, budget, srv.lease_ttl)
+        except ValueError as e:
+            logger.warning("kvtier store: no disk tier for a namespace: %s", e)
 
     def _new_space(self, ns: bytes, msg: dict[str, Any], lid: bytes) -> Space:
         srv, size = self.server, int(msg["arena_bytes"])
@@ -206,6 +267,8 @@ class Session:
             gone = idle.pop(0)
             srv.arenas.drop(gone.arena.namespace)
             del srv.spaces[gone.arena.namespace]
+            if gone.tier is not None:  # its files stay: the namespace finds them again
+                gone.tier.close()
             logger.info("kvtier store: dropped an idle namespace's arena for a new one")
             arena = srv.arenas.place(ns, size, lid)
         if arena is None:
@@ -228,6 +291,8 @@ class Session:
                     logger.info("kvtier store: a client left holding %d writes, %d pins, %d "
                                 "leases: released", w, p, le)
                 self.server.clients.discard(self.holds)
+                if self.space is not None and self.space.tier is not None:
+                    self.space.tier.forget(self.holds)
             if self.space is not None:
                 self.space.attached -= 1
                 self.space.detached_at = time.monotonic()

@@ -16,17 +16,21 @@ SRC = str(Path(__file__).resolve().parents[2])  # the src directory kvtier is in
 class StoreProcess:
     """``python -m kvtier.cli store`` on a socket under ``directory``."""
 
-    def __init__(self, directory: Path, size: str = "64MiB", lease_ttl: float = 30.0) -> None:
+    def __init__(self, directory: Path, size: str = "64MiB", lease_ttl: float = 30.0,
+                 disk: tuple[Path, str] | None = None) -> None:
+        """``disk``: the store's disk tier, (directory, size)."""
         self.path = str(directory / "store.sock")
         self.url = "unix://" + self.path
-        self.size, self.lease_ttl = size, lease_ttl
+        self.size, self.lease_ttl, self.disk = size, lease_ttl, disk
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 60.0) -> StoreProcess:
         env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli", "store", "--socket", self.path,
-             "--size", self.size, "--lease-ttl", str(self.lease_ttl)],
+             "--size", self.size, "--lease-ttl", str(self.lease_ttl),
+             *(["--disk-path", str(self.disk[0]), "--disk-size", self.disk[1]]
+               if self.disk else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None

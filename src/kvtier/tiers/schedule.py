@@ -36,6 +36,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.config import KvtierConfig
 from kvtier.geometry import Geometry
@@ -73,6 +74,10 @@ class LowerTier:
     chunk_bytes: Sequence[int]
     # builds the scheduler of this tier (same arguments as TierScheduler); None: TierScheduler
     make_scheduler: Callable[..., TierScheduler] | None = None
+    # builds what the scheduler drives instead of a kvtier.tiers.stack.TierStack over the
+    # lower tiers (same arguments as TierStack), for a tier that is alone below DRAM and
+    # whose I/O no worker does (the node-wide store's disk); None: a TierStack
+    make_stack: Callable[..., Any] | None = None
 
 
 @dataclass

@@ -112,6 +112,8 @@ class TierStack:
         self._promotions: dict[int, _Promotion] = {}
         self._promotion_of: dict[int, int] = {}  # tier job id -> promotion id
 
+    notes_saves = True  # note_saved wants each committed save (write-through, catalogs)
+
     def named(self, name: str) -> TierScheduler | None:
         return next((t for t in self.tiers if t.tier.name == name), None)
 

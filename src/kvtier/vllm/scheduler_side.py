@@ -24,6 +24,7 @@ from kvtier.scheduler import (
     ScheduledTokens,
     StepInput,
 )
+from kvtier.store.promotions import store_lower
 from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
 from kvtier.vllm.cold_lookups import ColdLookups
@@ -290,13 +291,15 @@ class SchedulerSide:
                                                num_shards)
         # top first: DRAM -> disk -> remote (kvtier.tiers.stack)
         lower = [t.lower for t in (self.disk, self.remote) if t is not None]
+        if setup.config.store_url:  # the store's own tiers below its pool (kvtier.store.tiers)
+            lower = [store_lower(ns, geometry)]
         self.scheduler = OffloadScheduler(setup.config, geometry, ns, slab_layout,
                                           world_size=setup.world_size,
                                           loads_enabled=setup.loads_enabled,
                                           prepare_hits=prepares_hits(setup),
                                           draft_lookahead=setup.draft_lookahead,
                                           lower=lower,
-                                          index_factory=store_index_factory(setup, ns)
+                                          index_factory=store_index_factory(setup, ns, geometry)
                                           if setup.config.store_url else None)
         for req in list(self.requests.values()):
             self._ensure_request(req)

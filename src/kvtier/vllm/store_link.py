@@ -1,7 +1,8 @@
 """The connector's link to the node-wide store (``store_url``, :mod:`kvtier.store`).
 
 Scheduler side: :func:`store_index_factory` gives the scheduler a
-:class:`~kvtier.store.index.StoreIndex`; :func:`stamp_plan` puts the index's epoch on each
+:class:`~kvtier.store.index.StoreIndex` (and :func:`kvtier.store.promotions.store_lower` its
+lower tier: the store's disk); :func:`stamp_plan` puts the index's epoch on each
 step's plan, then polls for a lost store (after the plan: one epoch per step). Worker side:
 :func:`worker_mapping` places the slab in the store's pool (every rank maps the one pool:
 TP ranks share it as they share a /dev/shm segment without a store);
@@ -33,13 +34,13 @@ def engine_namespace(setup: ConnectorSetup, geometry: Geometry) -> bytes:
     ).digest()
 
 
-def store_index_factory(setup: ConnectorSetup, namespace: bytes
+def store_index_factory(setup: ConnectorSetup, namespace: bytes, geometry: Geometry
                         ) -> Callable[[Sequence[GroupIndexSpec], SlabLayout], StoreIndex]:
     url = setup.config.store_url
     assert url is not None
 
     def make(specs: Sequence[GroupIndexSpec], layout: SlabLayout) -> StoreIndex:
-        return StoreIndex(StoreClient(url), attach_spec(namespace, specs, layout))
+        return StoreIndex(StoreClient(url), attach_spec(namespace, specs, layout, geometry))
 
     return make
 
@@ -62,4 +63,5 @@ def worker_mapping(setup: ConnectorSetup, geometry: Geometry, num_shards: int) -
     assert url is not None
     layout = geometry.slab_layout(setup.config, num_shards)
     return StoreMapping(StoreClient(url), attach_spec(engine_namespace(setup, geometry),
-                                                      geometry_specs(geometry), layout))
+                                                      geometry_specs(geometry), layout,
+                                                      geometry))
