@@ -95,7 +95,7 @@ class StoreLoop(Loop):
     def step(self, step: StepInput | None = None, ranks: Sequence[int] | None = None) -> None:
         plan = self.sched.schedule_step(step or StepInput())
         plan.store_epoch = self.index.epoch if self.index.up else 0
-        assert plan.tier is None  # the store moves the disk's bytes, never the workers
+        assert not plan.tiers  # the store moves the disk's bytes, never the workers
         total = WorkerReport()
         for r in self.ranks:
             w = r.worker

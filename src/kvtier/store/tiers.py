@@ -39,7 +39,7 @@ import logging
 import mmap
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,7 @@ from kvtier.tiers.directory import DirectoryLock, check_disk_path, scan
 from kvtier.tiers.disk import DiskChunkStore, file_bytes, namespace_dir
 from kvtier.tiers.schedule import LowerTier, TierScheduler
 from kvtier.tiers.seam import ChunkStore, TierJobKind, TierOp, TierReport, TierRunner
+from kvtier.tiers.stack import TierStack
 
 logger = logging.getLogger("kvtier.store")
 
@@ -152,9 +153,11 @@ class SpaceTier:
                                   config.step_seconds)
         lower = LowerTier("disk", str(self.root), namespace, catalog, TierCost(1.0, 0.0),
                           chunk_bytes)
-        self.scheduler = TierScheduler(
-            lower, index, allocator, list(geometry.slot_classes), geometry, config, estimates,
-            layout.num_shards, itertools.count(1), on_landed=self._landed)
+        # a stack of one tier: its promotions are planned as an engine's are (kvtier.tiers.stack)
+        self.stack = TierStack(
+            [lower], index, allocator, list(geometry.slot_classes), geometry, config, estimates,
+            layout.num_shards, itertools.count(1), self._landed)
+        self.scheduler: TierScheduler = self.stack.tiers[0]
         self.runners = [
             ArenaTierRunner(DiskChunkStore(self.root, shard, namespace),
                             self._views(pool, arena.offset, shard),
@@ -208,13 +211,14 @@ class SpaceTier:
         """Start promoting what the disk adds to the DRAM hit of ``keys``: [job, tokens it
         adds]; None if the disk adds nothing (or the in-flight bound is reached)."""
         dram = find_hit(self.index, self.geometry, keys, num_tokens, hbm_tokens)
-        started = self.scheduler.promote("", keys, num_tokens, hbm_tokens, dram)
+        started = self.stack.promote("", keys, num_tokens, hbm_tokens, dram)
         if started is None:
             return None
         self.owners[started[0]] = holds
         return [started[0], started[1]]
 
-    def _landed(self, _req: str, job: int, landed: list, ok: bool) -> None:  # type: ignore[type-arg]
+    def _landed(self, _req: str, job: int, landed: list, lost: Sequence[str]) -> None:  # type: ignore[type-arg]
+        ok = not lost
         holds = self.owners.pop(job, None)
         if holds is None:
             return  # its engine left: the chunks stay in the arena for the next lookup
