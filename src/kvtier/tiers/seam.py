@@ -93,6 +93,7 @@ class TierCompletion:
     corrupt: list[int] = field(default_factory=list)  # op indexes whose bytes did not verify
     full: bool = False  # the tier declined a write for want of space
     error: str = ""
+    tier: str = ""  # the runner's tier name (the ``tier`` label of its histograms)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class TierReport:
     promote_seconds: float = 0.0
     bytes_demoted: int = 0
     demote_seconds: float = 0.0
+    # per job that moved bytes and succeeded: (tier, kind, bytes, seconds), for histograms
+    observed: list[tuple[str, str, int, float]] = field(default_factory=list)
 
     def take(self, c: TierCompletion) -> None:
         ok, failed = self.jobs.setdefault(c.job_id, [0, 0])
@@ -117,6 +120,8 @@ class TierReport:
             known.extend(i for i in c.corrupt if i not in known)
             self.corrupt_reads += len(c.corrupt)
         self.full += c.full
+        if c.ok and c.nbytes:
+            self.observed.append((c.tier, c.kind.value, c.nbytes, c.seconds))
         if c.kind is TierJobKind.PROMOTE:
             self.bytes_promoted += c.nbytes
             self.promote_seconds += c.seconds
@@ -133,6 +138,7 @@ class TierReport:
             known = self.corrupt.setdefault(job, [])
             known.extend(i for i in ops if i not in known)
         self.full += other.full
+        self.observed.extend(other.observed)
         self.corrupt_reads += other.corrupt_reads
         self.bytes_promoted += other.bytes_promoted
         self.promote_seconds += other.promote_seconds
@@ -291,7 +297,7 @@ class TierRunner:
 
     def _run(self, job: TierJob) -> TierCompletion | None:
         t0 = time.perf_counter()
-        out = TierCompletion(job.job_id, job.kind, True)
+        out = TierCompletion(job.job_id, job.kind, True, tier=self.name)
         if not self.moves:
             return None if job.kind is TierJobKind.DELETE else out
         # ops are started in order, at most max_in_flight at once, and finished in order: a
