@@ -57,7 +57,8 @@ def build(args: argparse.Namespace) -> Any:
     # DRAM of several prefixes: its demotion watermark (a quarter of the slots) then exceeds a
     # prefill step's burst of saves, so evicted chunks reach the disk instead of being lost
     kvtier = {"dram_size": int(args.dram_prefixes * prefix_bytes), "disk_path": args.disk_dir,
-              "disk_size": (args.targets + args.dram_prefixes + 2) * prefix_bytes * 2,
+              # room for every prefix the run sends (the device's disk is 64 GiB in all)
+              "disk_size": int((args.targets + args.dram_prefixes + 2) * prefix_bytes * 1.1),
               "cost_model": True,
               "prepare_timeout_ms": 20_000.0,
               "disk_max_pending_chunks": max(256, 4 * args.prefix_len // 256)}

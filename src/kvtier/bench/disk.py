@@ -4,7 +4,7 @@ same directory, page cache bypassed (issue 16; goal: the tier at >= 80% of dd).
 - tier write: ``--total-mib / --chunk-mib`` chunks demoted through a
   :class:`~kvtier.tiers.seam.TierRunner` in jobs of ``--job-chunks`` (as the workers do:
   :meth:`kvtier.tiers.disk.DiskChunkStore.put`, O_DIRECT, header, checksum, atomic rename,
-  ``--io-depth`` chunks in flight) then ``os.sync``; tier read: each promoted back (``get``,
+  ``--io-depth`` chunks in flight) then an fsync of every file and the directory; tier read: each promoted back (``get``,
   O_DIRECT: every read is cold), verifying every checksum and the bytes;
 - dd: ``dd oflag=direct conv=fsync`` writing one file of the same size in chunk-size blocks,
   then ``dd iflag=direct`` reading it;
@@ -75,7 +75,7 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int
             runner.submit(TierJob(j, kind, ops[j : j + job_chunks]))
         runner.drain()
         if kind is TierJobKind.DEMOTE:
-            os.sync()
+            _fsync_tree(store.dir)
         seconds = time.perf_counter() - t0
         failed = [c for c in runner.poll() if not c.ok]
         if failed:
@@ -94,6 +94,22 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int
         raise RuntimeError("the tier's bytes differ, or the filesystem refused O_DIRECT "
                            "(the numbers would be the page cache's)")
     return n * chunk / write / 1e9, n * chunk / read / 1e9
+
+
+def _fsync_tree(d: Path) -> None:
+    """Make the tier's files durable as ``dd conv=fsync`` does its one file: fsync each file
+    and their directory (``os.sync`` would also flush every other process's dirty pages)."""
+    for entry in os.scandir(d):
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _dd(args: list[str]) -> float:
