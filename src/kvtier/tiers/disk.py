@@ -51,9 +51,9 @@ _DIGEST = 8
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 DEFAULT_IO_DEPTH = 4
 """Chunks in flight per shard. On the CI machine's virtio disk (ext4, 2 MiB chunks, O_DIRECT,
-2 shared cores) reads reached 44% of ``dd``'s bandwidth one chunk at a time, 51% two at a
-time, 85% four at a time (``kvtier bench disk --io-depth``, 2026-12-01); NVMe devices want
-more, never fewer."""
+2 shared cores) reads reached 44-71% of ``dd``'s bandwidth one chunk at a time, 51-65% two
+at a time, 77-101% four at a time, 73% at eight (the cores oversubscribed; ``kvtier bench disk
+--io-depth``, bench/results/2026-12-01-disk-cpu); NVMe devices want more, never fewer."""
 
 
 def _align(n: int, a: int = PAGE) -> int:
