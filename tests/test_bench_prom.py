@@ -194,3 +194,42 @@ def test_scheduler_timings_observe_lookups_and_load_waits() -> None:
     t.loads_ended(["a", "b", "c"])
     assert t.take() == {"obs_lookup_seconds": [0.001], "obs_load_wait_seconds": [2.0]}
     assert t.take() == {}
+
+
+def test_disk_tier_jobs_are_observed_in_the_transfer_histograms_with_tier_disk(
+        prom: Any, tmp_path: Any) -> None:
+    """A real disk tier's demotion and promotion jobs (TierRunner over DiskChunkStore) land in
+    transfer_size/time/throughput with tier="disk", direction store (demotion) and load
+    (promotion); the DRAM series stay untouched."""
+    import time
+
+    import torch
+
+    from kvtier.tiers.disk import DiskChunkStore, file_bytes
+    from kvtier.tiers.seam import TierJob, TierJobKind, TierOp, TierRunner
+
+    slots = torch.randint(0, 256, (3, 8192), dtype=torch.uint8)
+    runner = TierRunner(DiskChunkStore(tmp_path, 0, bytes(16)), lambda g, s: slots[s])
+    ops = [TierOp(0, i, bytes([i + 1]) * 16, bytes([i]) * 16 if i else None) for i in range(3)]
+    report = WorkerReport()
+    for job_id, kind in ((1, TierJobKind.DEMOTE), (2, TierJobKind.PROMOTE)):
+        runner.submit(TierJob(job_id, kind, ops))
+        runner.drain()
+        time.sleep(0.01)
+        for c in runner.poll():
+            assert c.ok, c.error
+            report.tier.take(c)
+    runner.close()
+    obs = worker_observations(report)
+    assert obs["obs_disk_store_bytes"] == obs["obs_disk_load_bytes"] == [3 * file_bytes(8192)]
+    assert set(obs) <= {s.key for h in HISTOGRAMS for s in h.series}
+    m, reg = prom
+    m.observe(KvtierStats(data=obs).to_dict(), 0)
+    s = _samples(reg)
+    for direction in ("store", "load"):
+        disk = {"direction": direction, "tier": "disk"}
+        for name in ("size_bytes", "time_seconds", "throughput_gbps"):
+            assert _v(s, f"vllm:kvtier_transfer_{name}_count", **disk) == 1, (name, direction)
+        assert _v(s, "vllm:kvtier_transfer_size_bytes_sum", **disk) == 3 * file_bytes(8192)
+        assert _v(s, "vllm:kvtier_transfer_time_seconds_count", direction=direction,
+                  tier="dram") == 0

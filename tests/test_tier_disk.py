@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,59 @@ def test_a_full_tier_declines_the_write_and_a_full_queue_fails_at_once() -> None
     (c,) = blocked.poll()
     assert (c.job_id, c.ok, c.error) == (7, False, "tier queue full")
     blocked.close()
+
+
+class _MeetingStore(DiskChunkStore):
+    """A real disk store whose puts and gets each wait until ``max_in_flight`` of them run at
+    once (a barrier): a runner moving one chunk at a time breaks it (the job fails)."""
+
+    def __init__(self, root: Path, depth: int) -> None:
+        super().__init__(root, 0, NS, io_depth=depth)
+        self.meet = threading.Barrier(depth, timeout=10)
+
+    def put(self, group: int, key: bytes, parent: bytes | None, data: torch.Tensor) -> int:
+        self.meet.wait()
+        return super().put(group, key, parent, data)
+
+    def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
+        self.meet.wait()
+        return super().get(group, key, parent, out)
+
+
+def test_a_jobs_chunks_move_up_to_the_stores_depth_at_once(tmp_path: Path) -> None:
+    slots = torch.stack([payload(8192, i) for i in range(8)])
+    want = slots.clone()
+    s = _MeetingStore(namespace_dir(tmp_path, NS), depth=4)
+    r = _runner(s, slots)
+    ops = [TierOp(0, i, key(i), key(i - 1) if i else None) for i in range(8)]
+    r.submit(TierJob(1, TierJobKind.DEMOTE, ops))
+    (demoted,) = _wait(r, 1)
+    slots.zero_()
+    r.submit(TierJob(2, TierJobKind.PROMOTE, ops))
+    (promoted,) = _wait(r, 1)
+    r.close()
+    assert demoted.ok and promoted.ok, (demoted.error, promoted.error)
+    assert demoted.nbytes == promoted.nbytes == 8 * file_bytes(8192)
+    assert torch.equal(slots, want)
+
+
+def test_at_depth_a_chunk_that_fails_its_dram_check_stops_its_descendants(
+        tmp_path: Path) -> None:
+    slots = torch.stack([payload(4096, i) for i in range(6)])
+    s = DiskChunkStore(namespace_dir(tmp_path, NS), 0, NS, io_depth=4)
+    ops = [TierOp(0, i, key(i), key(i - 1) if i else None) for i in range(6)]
+
+    def check(op: TierOp) -> None:
+        if op.key == key(2):
+            raise ChunkCorrupt("flipped in DRAM")
+
+    r = TierRunner(s, lambda g, slot: slots[slot], max_jobs=4, check_demoted=check)
+    r.submit(TierJob(1, TierJobKind.DEMOTE, ops))
+    (c,) = _wait(r, 1)
+    r.close()
+    assert not c.ok and c.corrupt == [2] and r.corrupt_demotions == 1
+    on_disk = {p.name for p in shard_dir(namespace_dir(tmp_path, NS), 0).iterdir()}
+    assert on_disk == {chunk_name(0, o.key, o.parent) for o in ops[:2]}
 
 
 WRITER = textwrap.dedent("""

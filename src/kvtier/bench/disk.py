@@ -1,9 +1,11 @@
 """``kvtier bench disk``: the disk tier's sequential write and read GB/s against ``dd`` on the
 same directory, page cache bypassed (issue 16; goal: the tier at >= 80% of dd).
 
-- tier write: :meth:`kvtier.tiers.disk.DiskChunkStore.put` of ``--total-mib / --chunk-mib``
-  chunks (O_DIRECT, header, checksum, atomic rename) then ``os.sync``; tier read: ``get`` of
-  each (O_DIRECT: every read is cold), verifying every checksum;
+- tier write: ``--total-mib / --chunk-mib`` chunks demoted through a
+  :class:`~kvtier.tiers.seam.TierRunner` in jobs of ``--job-chunks`` (as the workers do:
+  :meth:`kvtier.tiers.disk.DiskChunkStore.put`, O_DIRECT, header, checksum, atomic rename,
+  ``--io-depth`` chunks in flight) then an fsync of every file and the directory; tier read: each promoted back (``get``,
+  O_DIRECT: every read is cold), verifying every checksum and the bytes;
 - dd: ``dd oflag=direct conv=fsync`` writing one file of the same size in chunk-size blocks,
   then ``dd iflag=direct`` reading it;
 - ``--pairs`` alternations of (tier, dd), so load from other processes hits both alike; the
@@ -40,36 +42,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-mib", type=float, default=2.0, help="chunk (and dd block) size")
     p.add_argument("--total-mib", type=int, default=512, help="bytes per pass")
     p.add_argument("--pairs", type=int, default=3, help="alternations of (tier, dd)")
+    p.add_argument("--io-depth", type=int, default=None,
+                   help="chunks in flight (default: the tier's, DEFAULT_IO_DEPTH)")
+    p.add_argument("--job-chunks", type=int, default=16,
+                   help="chunks per tier job (a prefix's chain moves as one job)")
     p.add_argument("--rebuild", type=int, default=0, help="chunks for the rebuild timing")
     p.add_argument("--out", default="bench/out/disk", help="folder for JSON and PNG")
 
 
-def _tier_pass(root: Path, chunk: int, n: int) -> tuple[float, float]:
+def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int
+               ) -> tuple[float, float]:
+    """One write and one read pass of ``n`` chunks, driven as the workers drive the tier: a
+    :class:`~kvtier.tiers.seam.TierRunner` running jobs of ``job_chunks`` chunks (a prefix's
+    chain), up to ``depth`` chunks in flight."""
     import torch
 
     from kvtier.tiers.disk import DiskChunkStore
+    from kvtier.tiers.seam import TierJob, TierJobKind, TierOp, TierRunner
 
     shutil.rmtree(root, ignore_errors=True)
-    store = DiskChunkStore(root, 0, NS)
-    data = torch.randint(0, 256, (chunk,), dtype=torch.uint8)
+    store = DiskChunkStore(root, 0, NS, io_depth=depth)
+    job_chunks = max(1, min(job_chunks, n))
+    slots = torch.randint(0, 256, (job_chunks, chunk), dtype=torch.uint8)
+    want = slots.clone()
+    runner = TierRunner(store, lambda g, s: slots[s], max_jobs=n)
     keys = [i.to_bytes(16, "little") for i in range(n)]
-    t0 = time.perf_counter()
-    for i, k in enumerate(keys):
-        store.put(0, k, keys[i - 1] if i else None, data)
-    os.sync()
-    write = time.perf_counter() - t0
-    out = torch.empty_like(data)
-    t0 = time.perf_counter()
-    for i, k in enumerate(keys):
-        store.get(0, k, keys[i - 1] if i else None, out)
-    read = time.perf_counter() - t0
-    direct = store.direct
-    store.close()
-    shutil.rmtree(root, ignore_errors=True)
-    if not torch.equal(out, data) or not direct:
+    ops = [TierOp(0, i % job_chunks, k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
+
+    def timed(kind: TierJobKind) -> float:
+        t0 = time.perf_counter()
+        for j in range(0, n, job_chunks):
+            runner.submit(TierJob(j, kind, ops[j : j + job_chunks]))
+        runner.drain()
+        if kind is TierJobKind.DEMOTE:
+            _fsync_tree(store.dir)
+        seconds = time.perf_counter() - t0
+        failed = [c for c in runner.poll() if not c.ok]
+        if failed:
+            raise RuntimeError(f"tier {kind} jobs failed: {failed[0]}")
+        return seconds
+
+    try:
+        write = timed(TierJobKind.DEMOTE)
+        slots.zero_()
+        read = timed(TierJobKind.PROMOTE)
+        direct = store.direct
+    finally:
+        runner.close()
+        shutil.rmtree(root, ignore_errors=True)
+    if not torch.equal(slots, want) or not direct:
         raise RuntimeError("the tier's bytes differ, or the filesystem refused O_DIRECT "
                            "(the numbers would be the page cache's)")
     return n * chunk / write / 1e9, n * chunk / read / 1e9
+
+
+def _fsync_tree(d: Path) -> None:
+    """Make the tier's files durable as ``dd conv=fsync`` does its one file: fsync each file
+    and their directory (``os.sync`` would also flush every other process's dirty pages)."""
+    for entry in os.scandir(d):
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _dd(args: list[str]) -> float:
@@ -120,11 +160,14 @@ def run(args: argparse.Namespace) -> int:
     base.mkdir(parents=True, exist_ok=True)
     chunk = int(args.chunk_mib * 2**20)
     n = max(1, args.total_mib * 2**20 // chunk)
+    from kvtier.tiers.disk import DEFAULT_IO_DEPTH  # imports torch: not at the CLI's start
+
+    depth = args.io_depth = args.io_depth or DEFAULT_IO_DEPTH
     passes: dict[str, list[float]] = {k: [] for k in
                                       ("tier_write", "tier_read", "dd_write", "dd_read")}
     try:
         for _ in range(args.pairs):
-            w, r = _tier_pass(base / "tier", chunk, n)
+            w, r = _tier_pass(base / "tier", chunk, n, depth, args.job_chunks)
             passes["tier_write"].append(w)
             passes["tier_read"].append(r)
             w, r = _dd_pass(base / "dd.bin", chunk, n)
@@ -147,7 +190,8 @@ def _result(args: argparse.Namespace, chunk: int, n: int, passes: dict[str, list
     return {
         "bench": "disk", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": platform.node(), "dir": args.dir, "chunk_bytes": chunk, "chunks": n,
-        "pairs": args.pairs, "load_average": os.getloadavg(), "gbps": gbps,
+        "pairs": args.pairs, "io_depth": args.io_depth,
+        "job_chunks": args.job_chunks, "load_average": os.getloadavg(), "gbps": gbps,
         "tier_vs_dd": ratio, "goal": GOAL,
         "met": {d: r >= GOAL for d, r in ratio.items()}, "rebuild": rebuild,
     }

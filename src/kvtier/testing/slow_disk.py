@@ -5,6 +5,7 @@ planner's choice between a slow tier and recomputing is tested on the real data 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,3 +41,25 @@ class SlowChunkStore(ChunkStore):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def slow_engine_disk(gbps: float, latency_s: float = 0.0) -> None:
+    """TEST ONLY: every disk tier opened in this process from now on is slowed to ``gbps``
+    (both the scheduler's start-up probe, which seeds the planner's cost model, and the
+    workers' stores). For an engine whose core and worker run in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank): call it before the engine is built.
+    Reads and writes then move one chunk at a time (the wrapper's ``max_in_flight`` is 1)."""
+    import kvtier.tiers.setup as setup
+    import kvtier.worker as worker
+    from kvtier.tiers.seam import TierPlan
+
+    real_store, real_disk = worker.disk_store, setup.DiskChunkStore
+
+    def store(plan: TierPlan, shard: int) -> ChunkStore:
+        return SlowChunkStore(real_store(plan, shard), gbps, latency_s)
+
+    def probe_store(root: Path, shard: int, namespace: bytes) -> ChunkStore:
+        return SlowChunkStore(real_disk(root, shard, namespace), gbps, latency_s)
+
+    worker.disk_store = store
+    setup.DiskChunkStore = probe_store  # type: ignore[assignment,misc]

@@ -32,14 +32,13 @@ import mmap
 import os
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvtier.checksum import MASK64, checksum, chunk_seed, piece_sum, seal_of
+from kvtier.checksum import checksum, chunk_seed
 from kvtier.keys import KEY_BYTES
 from kvtier.tiers.seam import ChunkCorrupt, ChunkStore, TierFull
 
@@ -50,9 +49,11 @@ SUFFIX = ".kvc"
 _HEAD = struct.Struct("<8sIIII QQ 16s16s16s B")
 _DIGEST = 8
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-READ_PIECE = 1 << 20
-"""Bytes per read of a chunk file (a multiple of the page): the checksum of one piece is
-computed while the next is read."""
+DEFAULT_IO_DEPTH = 4
+"""Chunks in flight per shard. On the CI machine's virtio disk (ext4, 2 MiB chunks, O_DIRECT,
+2 shared cores) reads reached 44-71% of ``dd``'s bandwidth one chunk at a time, 51-65% two
+at a time, 77-101% four at a time, 73% at eight (the cores oversubscribed; ``kvtier bench disk
+--io-depth``, bench/results/2026-12-01-disk-cpu); NVMe devices want more, never fewer."""
 
 
 def _align(n: int, a: int = PAGE) -> int:
@@ -103,34 +104,43 @@ def file_bytes(payload_bytes: int) -> int:
 
 
 class DiskChunkStore(ChunkStore):
-    """One shard's chunk files under ``root`` (a namespace directory). Used by one thread.
+    """One shard's chunk files under ``root`` (a namespace directory).
 
     ``direct``: open with O_DIRECT (the page cache is bypassed: the tier's reads are honest
     and do not evict the host's cache); filesystems that refuse it (tmpfs in tests) fall back
     to buffered I/O, which changes nothing but speed.
+
+    ``io_depth`` (:attr:`max_in_flight`): chunks that may be written or read at once, each on
+    its own thread with its own page-aligned staging buffer. One chunk file is one write or
+    one read of the whole file, at queue depth 1; a disk reaches its sequential bandwidth only
+    with several in flight (measured with ``kvtier bench disk``, see ``DEFAULT_IO_DEPTH``),
+    and the checksum of one chunk is computed while another one's bytes move.
     """
 
-    def __init__(self, root: Path, shard: int, namespace: bytes, direct: bool = True) -> None:
+    def __init__(self, root: Path, shard: int, namespace: bytes, direct: bool = True,
+                 io_depth: int = DEFAULT_IO_DEPTH) -> None:
         self.root = root
         self.shard = shard
         self.namespace = namespace
         self.dir = shard_dir(root, shard)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.direct = direct and hasattr(os, "O_DIRECT")
-        self._buf: mmap.mmap | None = None
-        self._buf_t: torch.Tensor | None = None
-        self._io: ThreadPoolExecutor | None = None  # the disk's half of a put or get
+        self.max_in_flight = max(1, io_depth)
+        self._buffers: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}  # per thread
+        self._lock = threading.Lock()
 
-    # -- staging: page-aligned memory, as O_DIRECT needs ---------------------------------------
+    # -- staging: page-aligned memory, as O_DIRECT needs, one buffer per I/O thread ----------
     def _staging(self, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-        if self._buf is None or len(self._buf) < nbytes:
-            if self._buf is not None:
-                self._buf_t = None
-                self._buf.close()
-            self._buf = mmap.mmap(-1, _align(nbytes, 1 << 20))
-            self._buf_t = torch.frombuffer(self._buf, dtype=torch.uint8)
-        assert self._buf_t is not None
-        return self._buf, self._buf_t
+        me = threading.get_ident()
+        with self._lock:
+            have = self._buffers.get(me)
+        if have is not None and len(have[0]) >= nbytes:
+            return have
+        buf = mmap.mmap(-1, _align(nbytes, 1 << 20))
+        made = (buf, torch.frombuffer(buf, dtype=torch.uint8))
+        with self._lock:
+            self._buffers[me] = made
+        return made
 
     def _open(self, path: Path, flags: int) -> int:
         if self.direct:
@@ -142,11 +152,6 @@ class DiskChunkStore(ChunkStore):
                 self.direct = False  # the filesystem refuses O_DIRECT
         return os.open(path, flags, 0o644)
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._io is None:
-            self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-io")
-        return self._io
-
     # -- ChunkStore ------------------------------------------------------------------------------
     def put(self, group: int, key: bytes, parent: bytes | None, data: torch.Tensor) -> int:
         n = data.numel()
@@ -157,22 +162,14 @@ class DiskChunkStore(ChunkStore):
         # loaded CPU (its intra-op threads), measured with kvtier bench disk
         np.copyto(body[:n].numpy(), data.numpy())
         body[n:].numpy().fill(0)
-        seed = chunk_seed(key, group, self.shard)
+        self._write_header(buf, group, key, parent, n,
+                           checksum(body, chunk_seed(key, group, self.shard)))
         final = self.dir / chunk_name(group, key, parent)
         tmp = self.dir / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                # the payload is written while its checksum is computed (the CPU's part
-                # overlaps the disk's: kvtier bench disk), then the header page that names it
-                pending = self._pool().submit(os.pwritev, fd, [memoryview(buf)[PAGE:total]],
-                                              PAGE)
-                try:
-                    digest = checksum(body, seed)
-                finally:
-                    written = pending.result()
-                self._write_header(buf, group, key, parent, n, digest)
-                written += os.pwritev(fd, [memoryview(buf)[:PAGE]], 0)
+                written = os.pwritev(fd, [memoryview(buf)[:total]], 0)  # one I/O: the file
             finally:
                 os.close(fd)
             if written != total:
@@ -207,44 +204,17 @@ class DiskChunkStore(ChunkStore):
             size = os.fstat(fd).st_size
             if size != total:
                 raise ChunkCorrupt(f"{path.name}: {size} bytes, expected {total}")
-            summed = self._read_summing(fd, buf, t, total, path)
+            got = os.preadv(fd, [memoryview(buf)[:total]], 0)  # one I/O: the file
         finally:
             os.close(fd)
+        if got != total:
+            raise ChunkCorrupt(f"{path.name}: short read ({got} of {total} bytes)")
         self._verify_header(bytes(buf[: _HEAD.size + _DIGEST]), group, key, parent, n, path)
         stored = _HEAD.unpack(bytes(buf[: _HEAD.size]))[6]
-        if (seal_of(chunk_seed(key, group, self.shard), 0) + summed) & MASK64 != stored:
+        if checksum(t[PAGE:total], chunk_seed(key, group, self.shard)) != stored:
             raise ChunkCorrupt(f"{path.name}: checksum mismatch")
         np.copyto(out.numpy(), t[PAGE : PAGE + n].numpy())
         return total
-
-    def _read_summing(self, fd: int, buf: mmap.mmap, t: torch.Tensor, total: int,
-                      path: Path) -> int:
-        """Read the file into ``buf`` in pieces of :data:`READ_PIECE`, summing each piece's
-        checksum terms while the next one is read (the CPU's part overlaps the disk's);
-        returns the payload's unseeded sum."""
-        cuts = [0, *range(PAGE + READ_PIECE, total, READ_PIECE), total]  # the header rides along
-        pool = self._pool()
-
-        def read(i: int) -> Future[int]:
-            return pool.submit(os.preadv, fd, [memoryview(buf)[cuts[i] : cuts[i + 1]]],
-                               cuts[i])
-
-        summed = 0
-        pending: Future[int] | None = read(0)
-        try:
-            for i in range(len(cuts) - 1):
-                assert pending is not None
-                got = pending.result()
-                pending = read(i + 1) if i + 2 < len(cuts) else None
-                if got != cuts[i + 1] - cuts[i]:
-                    raise ChunkCorrupt(f"{path.name}: short read at byte {cuts[i]}")
-                lo = max(cuts[i], PAGE)
-                summed += piece_sum(t[lo : cuts[i + 1]], (lo - PAGE) // 8)
-        finally:
-            if pending is not None:  # never leave a read in flight into the staging buffer
-                with contextlib.suppress(OSError):
-                    pending.result()
-        return summed & MASK64
 
     def _verify_header(self, raw: bytes, group: int, key: bytes, parent: bytes | None,
                        n: int, path: Path) -> None:
@@ -262,11 +232,8 @@ class DiskChunkStore(ChunkStore):
             os.unlink(self.dir / chunk_name(group, key, parent))
 
     def close(self) -> None:
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
-        self._buf_t = None
-        if self._buf is not None:
-            self._buf.close()
-            self._buf = None
-
+        with self._lock:
+            mapped = [buf for buf, _ in self._buffers.values()]
+            self._buffers = {}  # drops the tensors over the maps, so they can close
+        for buf in mapped:
+            buf.close()

@@ -8,7 +8,8 @@ are moved by the worker processes, because the slab is private memory of the wor
   rank 0 only), and a chunk counts as present on the tier only when every rank reported its
   write (the scheduler commits it then);
 - the scheduler sends :class:`TierJob` s in the step plan; each rank's :class:`TierRunner` runs
-  them on its own thread, in order (a delete before a later write of the same chunk), and
+  them on its own thread, in order (a delete before a later write of the same chunk; inside
+  one job up to the store's ``max_in_flight`` chunks move at once, the device's queue depth), and
   reports one :class:`TierCompletion` per job, which names the job and, when bytes did not
   verify, the op indexes (chunks) that failed; the queue is bounded (``max_jobs``), and a job
   past the bound fails at once, never waits;
@@ -24,11 +25,14 @@ the job is reported.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -90,6 +94,7 @@ class TierCompletion:
     absent: list[int] = field(default_factory=list)  # promotion ops whose chunk was gone
     full: bool = False  # the tier declined a write for want of space
     error: str = ""
+    tier: str = ""  # the runner's tier name (the ``tier`` label of its histograms)
 
 
 @dataclass
@@ -106,6 +111,8 @@ class TierReport:
     promote_seconds: float = 0.0
     bytes_demoted: int = 0
     demote_seconds: float = 0.0
+    # per job that moved bytes and succeeded: (tier, kind, bytes, seconds), for histograms
+    observed: list[tuple[str, str, int, float]] = field(default_factory=list)
 
     def take(self, c: TierCompletion) -> None:
         ok, failed = self.jobs.setdefault(c.job_id, [0, 0])
@@ -118,6 +125,8 @@ class TierReport:
             gone = self.absent.setdefault(c.job_id, [])
             gone.extend(i for i in c.absent if i not in gone)
         self.full += c.full
+        if c.ok and c.nbytes:
+            self.observed.append((c.tier, c.kind.value, c.nbytes, c.seconds))
         if c.kind is TierJobKind.PROMOTE:
             self.bytes_promoted += c.nbytes
             self.promote_seconds += c.seconds
@@ -137,6 +146,7 @@ class TierReport:
             known = self.corrupt.setdefault(job, [])
             known.extend(i for i in ops if i not in known)
         self.full += other.full
+        self.observed.extend(other.observed)
         self.corrupt_reads += other.corrupt_reads
         self.bytes_promoted += other.bytes_promoted
         self.promote_seconds += other.promote_seconds
@@ -159,12 +169,17 @@ class TierPlan:
 
 
 class ChunkStore(ABC):
-    """One shard's copies of chunks on one tier. Methods run on the tier's I/O thread.
+    """One shard's copies of chunks on one tier. Methods run on the tier's I/O thread, or on
+    up to ``max_in_flight`` threads at once for distinct chunks of one job.
 
     Contract: ``put`` makes a chunk visible only whole (a crash mid-write leaves no chunk, or
     the old one); ``get`` verifies the bytes it returns (raises :class:`ChunkCorrupt`, never
     returns bytes that did not verify) and raises KeyError for an absent chunk.
     """
+
+    max_in_flight: int = 1
+    """How many puts or gets of distinct chunks may run at once (the queue depth a device
+    needs to reach its bandwidth); 1: one at a time, on the runner's thread."""
 
     @abstractmethod
     def put(self, group: int, key: bytes, parent: bytes | None, data: torch.Tensor) -> int:
@@ -183,12 +198,22 @@ class ChunkStore(ABC):
         pass
 
 
+def _done(result: int, error: BaseException | None = None) -> Future[int]:
+    f: Future[int] = Future()
+    if error is None:
+        f.set_result(result)
+    else:
+        f.set_exception(error)
+    return f
+
+
 SlotView = Callable[[int, int], torch.Tensor]
 """(group, slot) -> this rank's bytes of that slab slot (``slot_bytes`` long)."""
 
 
 class TierRunner:
-    """One rank's I/O for one tier: jobs run in submission order on one thread.
+    """One rank's I/O for one tier: jobs run in submission order on one thread (their chunks
+    on up to ``store.max_in_flight`` threads at once, started and reported in order).
 
     ``moves``: whether this rank moves bytes (False for ranks > 0 of a replicated layout: they
     report every job done without I/O, like their saves). ``max_jobs`` bounds the queue.
@@ -221,6 +246,7 @@ class TierRunner:
         self.absent_reads = 0  # chunks a promotion found gone from the tier, ever
         self.corrupt_demotions = 0  # chunks not written: their DRAM bytes did not verify
         self.full_writes = 0  # writes declined for want of space, ever
+        self._pool: ThreadPoolExecutor | None = None  # the store's puts and gets, in flight
         self._thread = threading.Thread(target=self._loop, name=f"kvtier-{name}", daemon=True)
         self._thread.start()
 
@@ -263,6 +289,8 @@ class TierRunner:
         self.drain()
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.store.close()
 
     # -- the I/O thread ---------------------------------------------------------------------
@@ -281,48 +309,84 @@ class TierRunner:
 
     def _run(self, job: TierJob) -> TierCompletion | None:
         t0 = time.perf_counter()
-        out = TierCompletion(job.job_id, job.kind, True)
+        out = TierCompletion(job.job_id, job.kind, True, tier=self.name)
         if not self.moves:
             return None if job.kind is TierJobKind.DELETE else out
-        for i, op in enumerate(job.ops):
+        # ops are started in order, at most max_in_flight at once, and finished in order: a
+        # demotion's slot check runs before its write is started, so a chunk after one that
+        # failed its check (its descendants) is never written; past a failure nothing more
+        # starts, and what is in flight is waited for (it reads or fills slab slots)
+        window: deque[tuple[int, TierOp, Future[int]]] = deque()
+        ops = iter(enumerate(job.ops))
+        stop = False
+        while True:
+            while not stop and len(window) < self._depth(job.kind):
+                nxt = next(ops, None)
+                if nxt is None:
+                    break
+                try:
+                    window.append((*nxt, self._start(job.kind, nxt[1])))
+                except Exception as e:
+                    stop = self._failed(out, job.kind, nxt[0], nxt[1], e)
+            if not window:
+                break
+            i, op, pending = window.popleft()
             try:
-                out.nbytes += self._move(job.kind, op)
-            except ChunkCorrupt as e:
-                out.ok = False
-                out.corrupt.append(i)
-                self._log_corrupt(job.kind, op, e)
-                if job.kind is TierJobKind.DEMOTE:
-                    break  # the rest of a demotion is this chunk's descendants
-            except KeyError as e:  # the chunk is gone (evicted by the server, file removed)
-                out.ok, out.error = False, f"KeyError: {e}"
-                if job.kind is not TierJobKind.PROMOTE:
-                    break
-                out.absent.append(i)  # a miss: the scheduler forgets it, like a corrupt one
-                self.absent_reads += 1
-            except TierFull as e:
-                self.full_writes += 1
-                out.ok, out.full, out.error = False, True, str(e)
-                break  # a full tier declines the rest of the job
-            except Exception as e:  # an I/O error is a failed job, reported like any other
-                out.ok, out.error = False, f"{type(e).__name__}: {e}"
-                if job.kind is not TierJobKind.DELETE:
-                    break
+                out.nbytes += pending.result()
+                if job.kind is TierJobKind.PROMOTE and self.on_promoted is not None:
+                    self.on_promoted(op)
+            except Exception as e:
+                stop = self._failed(out, job.kind, i, op, e) or stop
         out.seconds = time.perf_counter() - t0
         return None if job.kind is TierJobKind.DELETE else out
 
-    def _move(self, kind: TierJobKind, op: TierOp) -> int:
+    def _depth(self, kind: TierJobKind) -> int:
+        return 1 if kind is TierJobKind.DELETE else max(1, self.store.max_in_flight)
+
+    def _start(self, kind: TierJobKind, op: TierOp) -> Future[int]:
+        """Start one op: on the runner's thread when one at a time, else on the I/O pool."""
         if kind is TierJobKind.DELETE:
             self.store.delete(op.group, op.key, op.parent)
-            return 0
+            return _done(0)
         view = self.slot_view(op.group, op.slot)
         if kind is TierJobKind.DEMOTE:
             if self.check_demoted is not None:
                 self.check_demoted(op)
-            return self.store.put(op.group, op.key, op.parent, view)
-        n = self.store.get(op.group, op.key, op.parent, view)
-        if self.on_promoted is not None:
-            self.on_promoted(op)
-        return n
+            move = functools.partial(self.store.put, op.group, op.key, op.parent, view)
+        else:
+            move = functools.partial(self.store.get, op.group, op.key, op.parent, view)
+        if self._depth(kind) == 1:
+            try:
+                return _done(move())
+            except Exception as e:
+                return _done(0, e)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.store.max_in_flight,
+                                            thread_name_prefix=f"kvtier-{self.name}-io")
+        return self._pool.submit(move)
+
+    def _failed(self, out: TierCompletion, kind: TierJobKind, i: int, op: TierOp,
+                e: Exception) -> bool:
+        """Record op ``i``'s failure; whether the job stops starting ops."""
+        if isinstance(e, ChunkCorrupt):
+            out.ok = False
+            out.corrupt.append(i)
+            self._log_corrupt(kind, op, e)
+            return kind is TierJobKind.DEMOTE  # the rest of a demotion: this chunk's descendants
+        if isinstance(e, KeyError):  # the chunk is gone (evicted by the server, file removed)
+            out.ok, out.error = False, f"KeyError: {e}"
+            if kind is not TierJobKind.PROMOTE:
+                return True
+            out.absent.append(i)  # a miss: the scheduler forgets it, like a corrupt one
+            self.absent_reads += 1
+            return False
+        if isinstance(e, TierFull):
+            self.full_writes += 1
+            out.ok, out.full, out.error = False, True, str(e)
+            return True  # a full tier declines the rest of the job
+        # an I/O error is a failed job, reported like any other
+        out.ok, out.error = False, f"{type(e).__name__}: {e}"
+        return kind is not TierJobKind.DELETE
 
     def _log_corrupt(self, kind: TierJobKind, op: TierOp, e: Exception) -> None:
         if kind is TierJobKind.DEMOTE:

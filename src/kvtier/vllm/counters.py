@@ -62,6 +62,7 @@ class Series:
     key: str
     label: str = ""
     read: Callable[[Any], Any] = lambda _: None
+    fixed: tuple[tuple[str, str], ...] = ()  # a histogram series' own fixed labels (its tier)
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,8 @@ class Histogram:
         return PREFIX + self.name
 
     def labels(self, series: Series) -> dict[str, str]:
-        return {**({self.label: series.label} if self.label else {}), **dict(self.fixed)}
+        return {**({self.label: series.label} if self.label else {}), **dict(self.fixed),
+                **dict(series.fixed)}
 
 
 def obs_key(what: str, direction: str = "") -> str:
@@ -345,8 +347,21 @@ def obs_key(what: str, direction: str = "") -> str:
     return OBS_PREFIX + (f"{direction}_" if direction else "") + what
 
 
+LOWER_TIERS = TIER_NAMES[1:]
+"""Tiers below DRAM with transfer histograms of their own: ``store`` is a demotion (DRAM to
+the tier), ``load`` a promotion (the tier to DRAM), one observation per tier job and rank."""
+
+
+def tier_obs_key(tier: str, what: str, direction: str) -> str:
+    """A lower tier's histogram key: ``obs_<tier>_<direction>_<what>``."""
+    return obs_key(what, f"{tier}_{direction}")
+
+
 def _directions(what: str) -> tuple[Series, ...]:
-    return (Series(obs_key(what, STORE), STORE), Series(obs_key(what, LOAD), LOAD))
+    """The DRAM tier's series (the histogram's fixed tier), then each lower tier's."""
+    return (Series(obs_key(what, STORE), STORE), Series(obs_key(what, LOAD), LOAD),
+            *(Series(tier_obs_key(t, what, d), d, fixed=(("tier", t),))
+              for t in LOWER_TIERS for d in (STORE, LOAD)))
 
 
 SIZE_BUCKETS = tuple(float(2**16 * 4**i) for i in range(10))  # 64 KiB .. 16 GiB
@@ -358,15 +373,18 @@ LOOKUP_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.
 
 HISTOGRAMS: tuple[Histogram, ...] = (
     Histogram("transfer_size_bytes", WORKER,
-              "Bytes of one transfer job on one rank, per direction (a store job is one "
-              "chunk, a load job one request's restored chunks).",
+              "Bytes of one transfer job on one rank, per direction and tier (DRAM: a store "
+              "job is one chunk, a load job one request's restored chunks; a lower tier: a "
+              "store is one demotion job, a load one promotion job, files' headers and "
+              "padding included).",
               SIZE_BUCKETS, "direction", _directions("bytes"), (("tier", TIER),)),
     Histogram("transfer_time_seconds", WORKER,
-              "Seconds one transfer job took on one rank, per direction (time to store, "
-              "time to retrieve).", TIME_BUCKETS, "direction", _directions("seconds"),
+              "Seconds one transfer job took on one rank, per direction and tier (time to "
+              "store, time to retrieve).", TIME_BUCKETS, "direction", _directions("seconds"),
               (("tier", TIER),)),
     Histogram("transfer_throughput_gbps", WORKER,
-              "GB/s of one transfer job on one rank (its bytes / its seconds), per direction.",
+              "GB/s of one transfer job on one rank (its bytes / its seconds), per direction "
+              "and tier.",
               GBPS_BUCKETS, "direction", _directions("gbps"), (("tier", TIER),)),
     Histogram("lookup_seconds", SCHEDULER,
               "Seconds one lookup of a waiting request in kvtier's index took (the "
@@ -391,6 +409,15 @@ def worker_observations(report: Any) -> dict[str, list[float]]:
         out.setdefault(obs_key("seconds", direction), []).append(seconds)
         if nbytes and seconds > 0:
             out.setdefault(obs_key("gbps", direction), []).append(nbytes / seconds / 1e9)
+    for tier, kind, nbytes, seconds in report.tier.observed:
+        if tier not in LOWER_TIERS:
+            continue
+        direction = STORE if kind == "demote" else LOAD
+        out.setdefault(tier_obs_key(tier, "bytes", direction), []).append(nbytes)
+        out.setdefault(tier_obs_key(tier, "seconds", direction), []).append(seconds)
+        if seconds > 0:
+            out.setdefault(tier_obs_key(tier, "gbps", direction), []).append(
+                nbytes / seconds / 1e9)
     return out
 
 
@@ -456,8 +483,10 @@ def render_markdown() -> str:
                     f"| {m.doc} |")
     for h in HISTOGRAMS:
         labels = "; ".join(
-            [*([f"`{h.label}`: " + ", ".join(f"`{s.label}`" for s in h.series)]
-               if h.label else []), *(f"`{k}`: `{v}`" for k, v in h.fixed)])
+            [*([f"`{h.label}`: " + ", ".join(dict.fromkeys(f"`{s.label}`" for s in h.series))]
+               if h.label else []),
+             *(f"`{k}`: " + ", ".join(dict.fromkeys(
+                 f"`{dict(s.fixed).get(k, v)}`" for s in h.series)) for k, v in h.fixed)])
         keys = ", ".join(f"`{s.key}`" for s in h.series)
         bounds = ", ".join(_bound(b, h.name.endswith("_bytes")) for b in h.buckets)
         rows.append(f"| `{h.full_name}` | histogram | {labels} | {keys} | {h.source} "
