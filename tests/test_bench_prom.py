@@ -206,7 +206,7 @@ def test_disk_tier_jobs_are_observed_in_the_transfer_histograms_with_tier_disk(
     import torch
 
     from kvtier.tiers.disk import DiskChunkStore, file_bytes
-    from kvtier.tiers.seam import TierJob, TierJobKind, TierOp, TierRunner
+    from kvtier.tiers.seam import TierJob, TierJobKind, TierOp, TierReport, TierRunner
 
     slots = torch.randint(0, 256, (3, 8192), dtype=torch.uint8)
     runner = TierRunner(DiskChunkStore(tmp_path, 0, bytes(16)), lambda g, s: slots[s])
@@ -218,7 +218,7 @@ def test_disk_tier_jobs_are_observed_in_the_transfer_histograms_with_tier_disk(
         time.sleep(0.01)
         for c in runner.poll():
             assert c.ok, c.error
-            report.tier.take(c)
+            report.tiers.setdefault("disk", TierReport()).take(c)
     runner.close()
     obs = worker_observations(report)
     assert obs["obs_disk_store_bytes"] == obs["obs_disk_load_bytes"] == [3 * file_bytes(8192)]

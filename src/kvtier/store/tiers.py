@@ -34,9 +34,11 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import mmap
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -94,17 +96,19 @@ class ArenaTierRunner(TierRunner):
 
     def __init__(self, store: ChunkStore, views: SlotViews, **kw: object) -> None:
         self.views = views
-        self._stage = torch.empty(0, dtype=torch.uint8)
+        self._local = threading.local()  # a staging buffer per I/O thread
         super().__init__(store, lambda g, s: views(g, s)[0], **kw)  # type: ignore[arg-type]
 
     def _staging(self, n: int) -> torch.Tensor:
-        if self._stage.numel() < n:
-            self._stage = torch.empty(n, dtype=torch.uint8)
-        return self._stage[:n]
+        stage = getattr(self._local, "stage", None)
+        if stage is None or stage.numel() < n:
+            stage = self._local.stage = torch.empty(n, dtype=torch.uint8)
+        return stage[:n]
+
+    def _mover(self, kind: TierJobKind, op: TierOp) -> Callable[[], int]:
+        return functools.partial(self._move, kind, op)
 
     def _move(self, kind: TierJobKind, op: TierOp) -> int:
-        if kind is TierJobKind.DELETE:
-            return super()._move(kind, op)
         slot, row = self.views(op.group, op.slot)
         n = slot.numel()
         rec = self._staging(n + row.numel())

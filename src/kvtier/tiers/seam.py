@@ -348,13 +348,9 @@ class TierRunner:
         if kind is TierJobKind.DELETE:
             self.store.delete(op.group, op.key, op.parent)
             return _done(0)
-        view = self.slot_view(op.group, op.slot)
-        if kind is TierJobKind.DEMOTE:
-            if self.check_demoted is not None:
-                self.check_demoted(op)
-            move = functools.partial(self.store.put, op.group, op.key, op.parent, view)
-        else:
-            move = functools.partial(self.store.get, op.group, op.key, op.parent, view)
+        if kind is TierJobKind.DEMOTE and self.check_demoted is not None:
+            self.check_demoted(op)
+        move = self._mover(kind, op)
         if self._depth(kind) == 1:
             try:
                 return _done(move())
@@ -364,6 +360,14 @@ class TierRunner:
             self._pool = ThreadPoolExecutor(self.store.max_in_flight,
                                             thread_name_prefix=f"kvtier-{self.name}-io")
         return self._pool.submit(move)
+
+    def _mover(self, kind: TierJobKind, op: TierOp) -> Callable[[], int]:
+        """The I/O of one demotion or promotion op (run on the runner's thread or the I/O
+        pool): the slot's bytes to or from the store. Subclasses that stage bytes override."""
+        view = self.slot_view(op.group, op.slot)
+        if kind is TierJobKind.DEMOTE:
+            return functools.partial(self.store.put, op.group, op.key, op.parent, view)
+        return functools.partial(self.store.get, op.group, op.key, op.parent, view)
 
     def _failed(self, out: TierCompletion, kind: TierJobKind, i: int, op: TierOp,
                 e: Exception) -> bool:

@@ -409,7 +409,8 @@ def worker_observations(report: Any) -> dict[str, list[float]]:
         out.setdefault(obs_key("seconds", direction), []).append(seconds)
         if nbytes and seconds > 0:
             out.setdefault(obs_key("gbps", direction), []).append(nbytes / seconds / 1e9)
-    for tier, kind, nbytes, seconds in report.tier.observed:
+    observed = [o for rep in report.tiers.values() for o in rep.observed]
+    for tier, kind, nbytes, seconds in observed:
         if tier not in LOWER_TIERS:
             continue
         direction = STORE if kind == "demote" else LOAD
