@@ -128,7 +128,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     from kvtier.testing.reference import Generated, cold_reference
     from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
-    from kvtier.testing.seed_models import VOCAB
+    from kvtier.testing.seed_models import SEED_MODELS, VOCAB
 
     sys.path.insert(0, HERE)
     from gpu_bare_run import apply_vllm_fixes
@@ -180,7 +180,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
               flush=True)
     res["kvtier_stats"] = {k: v for k, v in vars(h.kvtier.stats).items()
                            if isinstance(v, (int, float))}
-    if "speculative_config" in engine_kwargs(args, folder, mode):
+    if "speculative_config" in SEED_MODELS[args.arch].engine_args:
         res["spec_decode"] = spec_decode_counters(llm)
     return res
 

@@ -8,7 +8,7 @@ Contract (the scheduler's preparation step, :mod:`kvtier.prepare`, is unchanged)
   trip, only while the store has a disk tier for this namespace); if it does, the lookup
   defers (``None``) within ``prepare_timeout_ms`` / ``prepare_max_steps`` like a promotion
   of the engine's own disk.
-- :meth:`StorePromotions.take_plan` (once per step) polls the store for the promotions in
+- :meth:`StorePromotions.take_plans` (once per step) polls the store for the promotions in
   flight and hands the landed ones to the scheduler (``on_landed``, with no entries: the
   store leased the promoted chunks to this engine, and the next lookup finds them as DRAM
   hits). A promotion of a lost epoch (the store went away) lands failed. The workers get no
@@ -29,8 +29,9 @@ from kvtier.prepare import Preparation
 from kvtier.store.index import StoreIndex
 from kvtier.tiers.catalog import TierCatalog
 from kvtier.tiers.cost import TierCost
-from kvtier.tiers.schedule import IMPROVABLE, LowerTier, PromotionLanded, TierStats
+from kvtier.tiers.schedule import IMPROVABLE, LowerTier, TierStats
 from kvtier.tiers.seam import TierPlan, TierReport
+from kvtier.tiers.stack import StackLanded
 
 TIER_NAME = "disk"
 
@@ -71,14 +72,19 @@ class StoreCatalog:
 
 
 class StorePromotions:
-    def __init__(self, tier: LowerTier, dram: StoreIndex, _allocator: object,
+    """What the scheduler drives in place of a :class:`~kvtier.tiers.stack.TierStack` for an
+    engine attached to the store: the one tier below DRAM is the store's own disk, whose
+    promotions the store runs (no worker moves a byte). Built with TierStack's arguments
+    (:attr:`LowerTier.make_stack`), it is the stack and its one tier at once (``tiers``)."""
+
+    notes_saves = False  # the store demotes on its own: commits need no answer
+
+    def __init__(self, lowers: Sequence[LowerTier], dram: StoreIndex, _allocator: object,
                  _slot_class: object, geometry: Geometry, _config: object, _estimates: object,
                  _world_size: int, _job_ids: object,
-                 on_landed: PromotionLanded | None = None) -> None:
-        """The arguments of a :class:`~kvtier.tiers.schedule.TierScheduler` (what
-        :attr:`LowerTier.make_scheduler` is called with); only the index, the geometry and
-        ``on_landed`` are used."""
-        self.tier = tier
+                 on_landed: StackLanded | None = None) -> None:
+        self.tier = lowers[0]
+        self.tiers = [self]
         self.index = dram
         self.geometry = geometry
         self.on_landed = on_landed
@@ -86,12 +92,16 @@ class StorePromotions:
         self.catalog = StoreCatalog(dram)
         self.waiting: dict[int, tuple[str, int]] = {}  # store's job -> (request, epoch)
 
-    # -- what OffloadScheduler asks of its tier ---------------------------------------------
+    def named(self, name: str) -> StorePromotions | None:
+        return self if name == TIER_NAME else None
+
+    # -- lookups ----------------------------------------------------------------------------
     def discovering(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> bool:
         return False  # the store answers promote() at once
 
     def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
-                dram_hit: Hit) -> tuple[int, int] | None:
+                dram_hit: Hit) -> tuple[int, int, dict[str, int]] | None:
+        """As :meth:`TierStack.promote`: (the store's job, the tokens it adds, per tier)."""
         if dram_hit.reason not in IMPROVABLE or not self.index.has_lower:
             return None
         c = self.geometry.chunk_tokens
@@ -101,13 +111,31 @@ class StorePromotions:
         started = self.index.promote(keys[:most], num_tokens, hbm_tokens)
         if started is None:
             return None
-        self.waiting[started[0]] = (req_id, self.index.epoch)
-        return started
+        job, added = started
+        self.waiting[job] = (req_id, self.index.epoch)
+        return job, added, {TIER_NAME: added}
 
-    def take_plan(self, saves: int = 0) -> TierPlan | None:
-        """Poll the store for landed promotions (no worker job: the store moves bytes)."""
+    def answered(self, prep: Preparation | None, hit: Hit) -> dict[str, int]:
+        """As :meth:`TierStack.answered`; never asked while the store has no disk."""
+        if not self.index.has_lower:
+            return {}
+        asked = (prep is not None and prep.promotion_tried) or hit.reason in IMPROVABLE
+        if not asked:
+            return {}
+        landed = prep is not None and prep.promotion is None and prep.promoted_tokens > 0
+        return {TIER_NAME: min(hit.tokens, prep.promoted_tokens)  # type: ignore[union-attr]
+                if hit.ok and landed else 0}
+
+    def note_load(self, prep: Preparation, tokens: int) -> None:
+        if prep.promotion is None and prep.promoted_tokens:
+            self.stats.hits += 1
+            self.stats.hit_tokens += min(tokens, prep.promoted_tokens)
+
+    # -- the step ---------------------------------------------------------------------------
+    def take_plans(self, saves: int = 0) -> list[TierPlan]:
+        """Poll the store for landed promotions (never a worker job: the store moves bytes)."""
         if not self.waiting:
-            return None
+            return []
         epoch = self.index.epoch
         lost = [j for j, (_, e) in self.waiting.items() if e != epoch or not self.index.up]
         live = [j for j in self.waiting if j not in lost]
@@ -121,31 +149,21 @@ class StorePromotions:
             else:
                 self.stats.promotion_jobs_failed += 1
             if self.on_landed is not None:
-                self.on_landed(req_id, j, [], ok)
-        return None
-
-    def note_load(self, prep: Preparation, tokens: int) -> None:
-        if prep.promotion is None and prep.promoted_tokens:
-            self.stats.hits += 1
-            self.stats.hit_tokens += min(tokens, prep.promoted_tokens)
-
-    def answered(self, prep: Preparation | None, hit: Hit) -> tuple[bool, int]:
-        """As :meth:`TierScheduler.answered`; never asked while the store has no disk."""
-        if not self.index.has_lower:
-            return False, 0
-        asked = (prep is not None and prep.promotion_tried) or hit.reason in IMPROVABLE
-        landed = prep is not None and prep.promotion is None and prep.promoted_tokens > 0
-        provided = min(hit.tokens, prep.promoted_tokens) if hit.ok and landed else 0  # type: ignore[union-attr]
-        return asked, provided
+                self.on_landed(req_id, j, [], [] if ok else [TIER_NAME])
+        return []
 
     def note_saved(self, entry: object) -> None:
         pass  # the store demotes on its own
 
-    def on_report(self, report: TierReport) -> None:
-        pass  # no worker runs a job of this tier
+    def on_report(self, reports: dict[str, TierReport]) -> None:
+        if reports:
+            raise RuntimeError(f"a worker reported jobs of store tiers {sorted(reports)}")
 
     def forget_request(self, req_id: str) -> None:
         pass  # its promotion still lands (for later requests); on_landed then finds no one
+
+    def reset(self) -> None:
+        pass  # the store's reset (the scheduler resets its index) empties its disk too
 
     def has_pending_work(self) -> bool:
         return bool(self.waiting)
@@ -154,71 +172,8 @@ class StorePromotions:
         assert not self.waiting, f"store promotions in flight: {sorted(self.waiting)}"
 
 
-class StoreStack:
-    """What the scheduler drives in place of a :class:`~kvtier.tiers.stack.TierStack` for an
-    engine attached to the store: the one tier below DRAM is the store's own disk, whose
-    promotions the store runs (:class:`StorePromotions`); same constructor arguments and the
-    methods of TierStack the scheduler calls."""
-
-    notes_saves = False  # the store demotes on its own: commits need no answer
-
-    def __init__(self, lowers: Sequence[LowerTier], dram: StoreIndex, *args: Any) -> None:
-        *rest, on_landed = args
-        self.promotions = StorePromotions(lowers[0], dram, *rest, self._landed)
-        self.tiers = [self.promotions]
-        self._on_landed = on_landed
-
-    def _landed(self, req_id: str, job_id: int, landed: list[Any], ok: bool) -> None:
-        self._on_landed(req_id, job_id, landed, [] if ok else [TIER_NAME])
-
-    def named(self, name: str) -> StorePromotions | None:
-        return self.promotions if name == TIER_NAME else None
-
-    def discovering(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> bool:
-        return False  # the store answers promote() at once
-
-    def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
-                dram_hit: Hit) -> tuple[int, int, dict[str, int]] | None:
-        started = self.promotions.promote(req_id, keys, num_tokens, hbm_tokens, dram_hit)
-        if started is None:
-            return None
-        job, added = started
-        return job, added, {TIER_NAME: added}
-
-    def answered(self, prep: Preparation | None, hit: Hit) -> dict[str, int]:
-        asked, provided = self.promotions.answered(prep, hit)
-        return {TIER_NAME: provided} if asked else {}
-
-    def note_load(self, prep: Preparation, tokens: int) -> None:
-        self.promotions.note_load(prep, tokens)
-
-    def note_saved(self, entry: object) -> None:
-        pass  # the store demotes on its own
-
-    def take_plans(self, saves: int = 0) -> list[TierPlan]:
-        plan = self.promotions.take_plan(saves)  # polls the store; never a worker job
-        return [] if plan is None else [plan]
-
-    def on_report(self, reports: dict[str, TierReport]) -> None:
-        if reports:
-            raise RuntimeError(f"a worker reported jobs of store tiers {sorted(reports)}")
-
-    def forget_request(self, req_id: str) -> None:
-        self.promotions.forget_request(req_id)
-
-    def reset(self) -> None:
-        pass  # the store's reset (the scheduler resets its index) empties its disk too
-
-    def has_pending_work(self) -> bool:
-        return self.promotions.has_pending_work()
-
-    def check_drained(self) -> None:
-        self.promotions.check_drained()
-
-
 def store_lower(namespace: bytes, geometry: Geometry) -> LowerTier:
-    """The scheduler's ``lower`` for an engine attached to the store: driven by a
-    :class:`StoreStack` (the catalog and cost here are placeholders no one reads)."""
+    """The scheduler's ``lower`` for an engine attached to the store: driven by
+    :class:`StorePromotions` (the catalog and cost here are placeholders no one reads)."""
     return LowerTier(TIER_NAME, "", namespace, TierCatalog(len(geometry.groups), 1),
-                     TierCost(1.0, 0.0), [], make_scheduler=StorePromotions,  # type: ignore[arg-type]
-                     make_stack=StoreStack)
+                     TierCost(1.0, 0.0), [], make_stack=StorePromotions)
