@@ -5,12 +5,14 @@
 #      kernel paths, no GEMM; the pinned-memcpy ceiling on each pool), run
 #      alternately on --host-pool slab (an engine's own pool: private memory, cudaHostRegister)
 #      and --host-pool store (a private `kvtier store`'s memfd pool, attached over its socket and
-#      registered as a worker does), ROUNDS times each; tools/store_transfer_compare.py gives
-#      the table and whether the store is within 5%;
+#      registered as a worker does), and --host-pool memfd (the store's kind of memory made by
+#      this process: it separates shared-memory pages from the store process), ROUNDS times
+#      each; every pool registered in one piece; tools/store_transfer_compare.py gives the
+#      table and whether the store is within 5%;
 #   2. the pin time of a 64 GiB store mapping (tools/store_map_time.py --pin: store start and
 #      fallocate, attach, mmap, cudaHostRegister in 1 GiB pieces, first touch).
 # Everything goes under $OUT; every step has a timeout within what is left of a 285 s budget,
-# so the whole stays under 5 minutes (PIN_SIZE=32GiB or ROUNDS=2 to shorten). From the
+# so the whole stays under 5 minutes (PIN_SIZE=32GiB or ROUNDS=1 to shorten). From the
 # repository root:
 #   OUT=/tmp/out bash bench/gpu_store.sh
 # DRY=1 runs the same steps on a CPU box (the transfer bench's --smoke, no pinning, a 1 GiB
@@ -22,7 +24,7 @@
 #     pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
 set -o pipefail
 OUT=${OUT:-/tmp/kvtier-out}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-2}
 BUDGET=${BUDGET:-285}
 PIN_TIMEOUT=${PIN_TIMEOUT:-90}
 SMOKE=(); PIN=(--pin)
@@ -46,7 +48,7 @@ within() { local left=$(( $2 - ($(date +%s) - t_start) )); echo $(( left < $1 ? 
 } 2>&1 | tee "$OUT/log"
 python3 -c "import msgpack, pydantic" 2>/dev/null || { echo "msgpack or pydantic missing: see the header" | tee -a "$OUT/log"; exit 2; }
 for round in $(seq 1 "$ROUNDS"); do
-    for pool in slab store; do
+    for pool in ${POOLS:-slab store memfd}; do
         echo "== transfer round $round, --host-pool $pool" | tee -a "$OUT/log"
         timeout "$(within "${TRANSFER_TIMEOUT:-30}" $(( BUDGET - PIN_TIMEOUT )))" python3 -m kvtier.cli bench transfer \
             --families mha,mla_bf16 --chunks 256KiB,2MiB --modes dma,kernel --no-gemm --reps 3 --gib 1 --host-pool "$pool" "${SMOKE[@]}" \
@@ -56,6 +58,8 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 python3 tools/store_transfer_compare.py "$OUT/transfer" --json "$OUT/compare.json" 2>&1 \
     | tee "$OUT/compare.md" | tee -a "$OUT/log"
+# the device tool returns at most 8 files: the runs' JSON and tables travel as one archive
+tar czf "$OUT/transfer.tgz" -C "$OUT" transfer && rm -rf "$OUT/transfer"
 echo "== pin time of a $PIN_SIZE store mapping" | tee -a "$OUT/log"
 timeout "$(within "$PIN_TIMEOUT" "$BUDGET")" python3 tools/store_map_time.py --size "$PIN_SIZE" "${PIN[@]}" \
     --json "$OUT/store_map_$PIN_SIZE.json" 2>&1 | tee -a "$OUT/log"

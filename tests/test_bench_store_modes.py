@@ -21,13 +21,18 @@ ENV = {**os.environ, "TRITON_INTERPRET": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
-@pytest.mark.parametrize("kind", ["pinned", "slab", "store"])
+@pytest.mark.parametrize("kind", ["pinned", "slab", "store", "memfd"])
 def test_a_host_pool_is_the_memory_it_names(kind: str) -> None:
     with host_pool(kind, 8 * 2**20, cuda=False) as (buf, info):
         assert buf.numel() >= 8 * 2**20 and info["pool"] == kind
         first, last = buf.data_ptr(), buf.data_ptr() + buf.numel() - 1
+        # memfd: the store's kind of memory (its memfd), made by this process
         in_store = [mapping_of(p).startswith(POOL_NAME) for p in (first, last)]
-        assert in_store == [kind == "store"] * 2
+        assert in_store == [kind in ("store", "memfd")] * 2
+        if kind != "pinned":  # the page sizes of the mapping, as the kernel reports them
+            smaps = info["smaps"]
+            assert smaps["Size_kB"] * 1024 >= 8 * 2**20
+            assert smaps["mapping"].startswith(POOL_NAME) == (kind != "slab")
         buf[-4096:].fill_(7)  # writable to its end
         if kind == "store":
             assert info["store_line"].startswith("kvtier store ready on unix://")

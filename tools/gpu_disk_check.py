@@ -103,7 +103,7 @@ def decisions(tier: Any) -> dict[str, int]:
 
 
 def estimates(sched: Any, tier: Any, prefix_len: int) -> dict[str, Any]:
-    """The planner's view of one prefix on disk only (TierScheduler._pays): reading it from
+    """The planner's view of one prefix on disk only (TierStack._cheapest): reading it from
     disk (and a step of deferral), then loading it from DRAM like any hit, against
     recomputing it; ``pays``: what the planner decides for a prefix of this length."""
     from kvtier.planner import load_bytes
@@ -121,29 +121,36 @@ def estimates(sched: Any, tier: Any, prefix_len: int) -> dict[str, Any]:
             "prefill_s_per_token": est.prefill_seconds_per_token}
 
 
-def record_decisions(tier: Any) -> list[dict[str, Any]]:
-    """Every cost-model decision of the tier's scheduler (TierScheduler._pays), with the
-    numbers it weighed: appended to the returned list as they happen."""
+def record_decisions(stack: Any) -> list[dict[str, Any]]:
+    """Every cost-model decision of the scheduler's tier stack (``TierStack._cheapest``, the
+    one place the cost model weighs a promotion), with the numbers it weighed: appended to
+    the returned list as they happen. A tool's hook, never a production path."""
     from kvtier.planner import load_cost
 
     seen: list[dict[str, Any]] = []
-    pays = tier._pays
+    cheapest = stack._cheapest
 
-    def recorded(tiered: Any, dram_hit: Any, hbm: int, todo: Any) -> bool:
-        est = tier.estimates
-        nbytes = sum(tier.tier.chunk_bytes[g] * len(js) for g, js in todo)
-        chunks = max((len(js) for _, js in todo), default=0)
-        via = load_cost(tier.geometry, tiered, hbm, est)
-        ok = pays(tiered, dram_hit, hbm, todo)
-        seen.append({"tokens": tiered.tokens, "hbm_tokens": hbm, "dram_hit_ok": dram_hit.ok,
-                     "chunks": chunks, "bytes": nbytes,
-                     "disk_read_s": tier.tier.cost.read_seconds(nbytes, chunks)
-                     + est.step_seconds,
+    def recorded(every: Any, keys: Any, num_tokens: int, hbm: int, have: int,
+                 dram_hit: Any) -> Any:
+        best = cheapest(every, keys, num_tokens, hbm, have, dram_hit)
+        est = stack.estimates
+        via = load_cost(stack.geometry, every.hit, hbm, est)
+        reads = {}
+        for t in every.tiers:
+            todo = every.todo[t.tier.name]
+            chunks = max((len(js) for _, js in todo), default=0)
+            nbytes = t.read_bytes(todo)
+            reads[t.tier.name] = {"chunks": chunks, "bytes": nbytes,
+                                  "read_s": t.tier.cost.read_seconds(nbytes, chunks)}
+        seen.append({"tokens": every.hit.tokens, "hbm_tokens": hbm, "dram_hit_ok": dram_hit.ok,
+                     "reads": reads, "step_s": est.step_seconds,
                      "dram_load_s": via.load_seconds, "recompute_s": via.recompute_seconds,
-                     "decision": "load" if ok else "recompute"})
-        return ok
+                     "gain_s": None if best is None else best.gain,
+                     "decision": "recompute" if best is None else
+                     "load via " + "+".join(t.tier.name for t in best.tiers)})
+        return best
 
-    tier._pays = recorded
+    stack._cheapest = recorded
     return seen
 
 
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sched = h.kvtier
     tier = sched.tier
     probe = {"gbps": tier.tier.cost.gbps, "latency_ms": tier.tier.cost.latency_s * 1e3}
-    weighed = record_decisions(tier)
+    weighed = record_decisions(sched.stack)
     vocab = 800 if args.tiny else 120_000
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     timed(h, toks(512, 7, vocab), params)  # warm-up: kernels, allocator

@@ -8,6 +8,8 @@ writes the numbers too.
 Per cell (family, chunk), engine path and direction: the median GB/s of each pool over its
 runs, the store's as a fraction of the in-process pool's, and whether it is within 5% below
 (faster counts as within). The pinned-memcpy ceilings measured on each pool come alongside.
+Where ``--host-pool memfd`` runs are there too (a memfd of this process: the store's kind of
+memory without the store), their GB/s come as a third column over the in-process pool's.
 """
 
 from __future__ import annotations
@@ -49,25 +51,33 @@ def gbps(runs: list[dict[str, Any]]) -> dict[tuple[str, int, str, str], list[flo
 
 def compare(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     base, store = gbps(runs.get("slab", [])), gbps(runs.get("store", []))
+    memfd = gbps(runs.get("memfd", []))
     rows = []
     for key in sorted(set(base) & set(store)):
         b, s = statistics.median(base[key]), statistics.median(store[key])
         ratio = s / b if b else float("nan")
-        rows.append({"family": key[0], "chunk_bytes": key[1], "path": key[2], "kind": key[3],
-                     "inproc_gbps": b, "store_gbps": s, "runs": [len(base[key]), len(store[key])],
-                     "store_over_inproc": ratio, "within_5pct": ratio >= 1 - TOLERANCE})
+        row = {"family": key[0], "chunk_bytes": key[1], "path": key[2], "kind": key[3],
+               "inproc_gbps": b, "store_gbps": s, "runs": [len(base[key]), len(store[key])],
+               "store_over_inproc": ratio, "within_5pct": ratio >= 1 - TOLERANCE}
+        if memfd.get(key):
+            m = statistics.median(memfd[key])
+            row.update(memfd_gbps=m, memfd_over_inproc=m / b if b else float("nan"))
+        rows.append(row)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    with_memfd = any("memfd_gbps" in r for r in rows)
+    extra = " memfd/in-process |" if with_memfd else ""
     lines = ["| cell | path | direction | in-process GB/s | store GB/s | store/in-process | "
-             "within 5% |", "|---|---|---|---|---|---|---|"]
+             "within 5% |" + extra, "|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
     for r in rows:
         cell = r["family"] if r["family"] == "ceiling" else (
             f"{r['family']} {r['chunk_bytes'] // 1024} KiB")
+        m = (f" {r['memfd_over_inproc']:.3f} |" if "memfd_gbps" in r else " - |") if extra else ""
         lines.append(f"| {cell} | {r['path']} | {r['kind']} | {r['inproc_gbps']:.2f} | "
                      f"{r['store_gbps']:.2f} | {r['store_over_inproc']:.3f} | "
-                     f"{'yes' if r['within_5pct'] else 'NO'} |")
+                     f"{'yes' if r['within_5pct'] else 'NO'} |" + m)
     return "\n".join(lines)
 
 

@@ -6,7 +6,17 @@ same cells compares the pools a worker can copy into:
   (private memory, then ``cudaHostRegister`` in ``pin_step`` pieces);
 - ``store``: the node-wide store's pool: a private ``kvtier store`` process is started, the
   bench attaches as a worker does (the memfd over SCM_RIGHTS, the whole pool mapped), and its
-  arena is registered the same way (:func:`kvtier.store.attach.store_slab`).
+  arena is registered the same way (:func:`kvtier.store.attach.store_slab`);
+- ``memfd``: the store's kind of memory without the store: a memfd this process creates and
+  reserves (:func:`kvtier.store.pool.create_pool_fd`), mapped shared and registered the same
+  way. Between ``slab`` and ``store`` it separates shared-memory pages from another process
+  having faulted them in.
+
+Every pool is registered in one piece (``pin_step`` = the whole buffer): the bench addresses
+the buffer's bytes itself, across the 2 MiB slots of its layout, so a piece of a size that does
+not divide 1 GiB (MLA's 73,728 bytes) could straddle two registrations, which
+``cuMemcpyBatchAsync`` refuses (H200, 2026-12-01). An engine's slab never straddles: its
+registrations never split a slot (:func:`kvtier.slab.pin_ranges`).
 
 :func:`host_pool` yields the uint8 tensor and what setting it up cost (``map_s``, ``pin_s``);
 without CUDA (``--smoke``) nothing is pinned and the rest runs as on the GPU host.
@@ -21,9 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-POOLS = ("pinned", "slab", "store")
+POOLS = ("pinned", "slab", "store", "memfd")
 SLOT = 2 * 2**20  # the pool's slot size: the bench addresses its bytes itself
-PIN_STEP = 2**30
 
 
 def _pinner(cuda: bool) -> Any:
@@ -61,16 +70,61 @@ def host_pool(kind: str, nbytes: int, cuda: bool) -> Iterator[tuple[Any, dict[st
         yield buf, {"pool": kind, "alloc_s": time.perf_counter() - t0}
         return
     layout = _layout(nbytes)
-    if kind == "slab":
+    if kind in ("slab", "memfd"):
         t0 = time.perf_counter()
-        slab = HostSlab(layout, pinner=_pinner(cuda), pin_step=PIN_STEP)
+        region = _memfd_region(layout.total_bytes) if kind == "memfd" else None
+        map_s = time.perf_counter() - t0
+        slab = HostSlab(layout, region=region, pinner=_pinner(cuda),
+                        pin_step=layout.total_bytes)
         try:
-            yield slab.buffer, {"pool": kind, "pin_s": time.perf_counter() - t0}
+            yield slab.buffer, {"pool": kind, "map_s": map_s,
+                                "pin_s": time.perf_counter() - t0 - map_s,
+                                **huge_pages(slab.buffer.data_ptr())}
         finally:
             slab.close()
         return
     with _store_slab(layout, cuda) as (slab, info):
         yield slab.buffer, info
+
+
+def huge_pages(ptr: int, smaps: str = "/proc/self/smaps") -> dict[str, Any]:
+    """The mapping holding ``ptr``, from ``smaps``: its size and how much of it is mapped by
+    huge pages (``AnonHugePages`` for private memory, ``ShmemPmdMapped`` for shared memory),
+    in kB: the one page-size difference between the pools that the kernel shows. Empty where
+    smaps cannot be read."""
+    fields = ("Size", "AnonHugePages", "ShmemPmdMapped", "FilePmdMapped")
+    found: dict[str, Any] = {}
+    try:
+        with open(smaps) as f:
+            inside = False
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    if inside:
+                        break
+                    inside = lo <= ptr < hi
+                    if inside:
+                        parts = line.split(None, 5)
+                        found["mapping"] = parts[5].strip() if len(parts) > 5 else "[anonymous]"
+                elif inside and head.rstrip(":") in fields:
+                    found[head.rstrip(":") + "_kB"] = int(line.split()[1])
+    except (OSError, ValueError):
+        return {}
+    return {"smaps": found} if found else {}
+
+
+def _memfd_region(nbytes: int) -> tuple[Any, int]:
+    """A reserved memfd of ``nbytes`` mapped shared (the fd is closed: the mapping keeps it)."""
+    import os
+
+    from kvtier.store.pool import create_pool_fd, map_pool
+
+    fd = create_pool_fd(nbytes)
+    try:
+        return map_pool(fd, nbytes), 0
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -94,12 +148,13 @@ def _store_slab(layout: Any, cuda: bool) -> Iterator[tuple[Any, dict[str, Any]]]
                                layout)
             att = client.connect(spec)
             timing = MapTiming()
-            slab = store_slab(layout, att, pinner=_pinner(cuda), pin_step=PIN_STEP,
-                              timing=timing)
+            slab = store_slab(layout, att, pinner=_pinner(cuda),
+                              pin_step=layout.total_bytes, timing=timing)
             try:
                 yield slab, {"pool": "store", "store_start_s": start_s,
                              "map_s": timing.map_seconds, "pin_s": timing.pin_seconds,
-                             "store_line": store.ready_line}
+                             "store_line": store.ready_line,
+                             **huge_pages(slab.buffer.data_ptr())}
             finally:
                 slab.close()
                 client.close()
