@@ -129,7 +129,8 @@ def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
-                           "--families", "mha,hybrid,kimi_linear", "--chunks", "256KiB,2MiB",
+                           "--families", "mha,hybrid,kimi_linear,minimax_m3", "--chunks",
+                           "256KiB,2MiB",
                            "--out",
                            str(tmp_path), "--tag", "t"], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -138,7 +139,7 @@ def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
     result = json.loads(js.read_text())
     # a registered layout runs once, at its own chunk, whatever --chunks lists
     assert [c["family"] for c in result["cells"]] == ["mha", "mha", "hybrid", "hybrid",
-                                                      "kimi_linear"]
+                                                      "kimi_linear", "minimax_m3"]
     for c in result["cells"]:
         assert "errors" not in c and set(c["modes"]) == {"dma", "kernel"}
         for m in c["modes"].values():
