@@ -129,7 +129,8 @@ def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
-                           "--families", "mha,hybrid,kimi_linear", "--chunks", "256KiB,2MiB",
+                           "--families", "mha,hybrid,kimi_linear,minimax_m3", "--chunks",
+                           "256KiB,2MiB",
                            "--out",
                            str(tmp_path), "--tag", "t"], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -138,7 +139,7 @@ def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
     result = json.loads(js.read_text())
     # a registered layout runs once, at its own chunk, whatever --chunks lists
     assert [c["family"] for c in result["cells"]] == ["mha", "mha", "hybrid", "hybrid",
-                                                      "kimi_linear"]
+                                                      "kimi_linear", "minimax_m3"]
     for c in result["cells"]:
         assert "errors" not in c and set(c["modes"]) == {"dma", "kernel"}
         for m in c["modes"].values():
@@ -180,3 +181,76 @@ def test_smoke_run_with_verified_restores(tmp_path: Path) -> None:
     assert result["meta"]["verify_checksums"] is True
     assert [c["family"] for c in result["cells"]] == ["mha", "kimi_linear"]
     assert all("errors" not in c and c["modes"] for c in result["cells"])
+
+
+H200_CENSUS = ROOT / "bench/results/2026-12-01-gpu-h200-session3"
+H200_REGISTRATIONS = ROOT / "bench/results/2026-12-01-bare-gpu-h200-vllm025/run2"
+CENSUS_FILES = {"deepseek_v32": "check-sparse/seed/deepseek_v32_kvtier.json",
+                "glm_moe_dsa": "check-sparse/seed/glm_moe_dsa_kvtier.json",
+                "minimax_m3": "check-sparse/seed/minimax_m3_probe.json",
+                "deepseek_v3_mtp": "check-hybrid-mtp/seed/deepseek_v3_mtp_kvtier.json"}
+
+
+def _built_group(geo: cases.CacheCase) -> Any:
+    """The layout kvtier builds from the case's tensors (CPU), and its one group."""
+    from kvtier.bench.transfer.cases import _allocate
+    from kvtier.layout import GroupKind, GroupSpec, build_layout
+
+    kv, layers, _ = _allocate(geo, torch.device("cpu"))
+    specs = [GroupSpec(GroupKind(k), bs, tuple(names)) for k, bs, names in geo.groups]
+    layout = build_layout(kv, specs, geo.num_blocks, kv_cache_dtype=geo.kv_cache_dtype,
+                          layers=layers)
+    (group,) = layout.groups
+    return layout, group
+
+
+@pytest.mark.parametrize("family", sorted(CENSUS_FILES))
+def test_a_registered_layout_at_the_census_layer_count_is_what_the_h200_registered(
+        family: str) -> None:
+    """The smoke build is the seed configuration the H200 ran (4 layers there): kvtier's
+    census of that run (groups, block size, registered caches, bytes per block and chunk)
+    and, where run2 recorded them, every tensor's name, block shape and dtype."""
+    census = json.loads((H200_CENSUS / CENSUS_FILES[family]).read_text())["census"]
+    (want,) = census["groups"]
+    geo = cases.cache_case(family, 2 * MIB, 2 * MIB, smoke=True)
+    layout, group = _built_group(geo)
+    assert (geo.groups[0][0], geo.groups[0][1], len(geo.groups[0][2])) == (
+        want["kind"], want["block_size"], want["layers"])
+    assert group.bytes_per_block == want["bytes_per_block"]
+    assert geo.bpc[0] * geo.groups[0][1] == census["chunk_tokens"]
+    assert geo.bpc[0] * group.bytes_per_block == want["chunk_bytes"]
+    reg = H200_REGISTRATIONS / f"{family}.json"
+    if family != "minimax_m3":  # its bare run2 stopped before registering (flashinfer)
+        tensors = json.loads(reg.read_text())["census"]["tensors"]
+        assert {nm: (tuple(t[0]["shape"][1:]), t[0]["dtype"]) for nm, t in tensors.items()} \
+            == {nm: (shape[1:], dt) for nm, (shape, dt) in geo.tensors.items()}
+    else:  # M3: one dense layer's per-tensor scales are keyed, no bytes in the blocks
+        assert layout.fixed_scales == {"model.layers.0.self_attn.attn.k_scale": 1.0,
+                                       "model.layers.0.self_attn.attn.v_scale": 1.0}
+
+
+@pytest.mark.parametrize(("family", "caches", "block_bytes", "bpc"), [
+    ("deepseek_v32", 122, 61 * (64 * 576 * 2 + 64 * 132), 4),
+    ("glm_moe_dsa", 156, 78 * (64 * 656 + 64 * 132), 4),
+    ("minimax_m3", 117, 60 * 2 * 128 * 4 * 128 + 57 * 128 * 128 * 2, 2),
+    ("deepseek_v3_mtp", 62, 62 * 16 * 576 * 2, 16),
+])
+def test_a_registered_layout_at_the_real_layer_count_scales_the_census(
+        family: str, caches: int, block_bytes: int, bpc: int) -> None:
+    """The real models: the census's per-cache rows times the real layer counts (61; GLM-5's
+    78; M3's 3 dense + 57 sparse layers; 61 + 1 MTP draft), one chunk of 256 tokens, enough
+    distinct blocks for the span in each direction."""
+    span = 1 << 30
+    geo = cases.cache_case(family, 256 * KIB, span)
+    assert len(geo.tensors) == caches and geo.bpc == [bpc]
+    assert _bytes_per_block(geo) == block_bytes
+    assert geo.num_blocks % 2 and geo.num_blocks >= 2 * span // block_bytes
+    if family == "minimax_m3":
+        names = list(geo.tensors)
+        assert names[:3] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+        assert names[3:5] == ["model.layers.3.self_attn.attn",
+                              "model.layers.3.self_attn.attn.index_cache"]
+        assert geo.tensors[names[0]] == ((geo.num_blocks, 2, 128, 4, 128), "uint8")
+        assert geo.tensors[names[4]] == ((geo.num_blocks, 128, 128), "bfloat16")
+    if family == "deepseek_v3_mtp":
+        assert "model.layers.61.self_attn.attn" in geo.tensors

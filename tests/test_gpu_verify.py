@@ -8,6 +8,7 @@ Runs in its own process with ``TRITON_INTERPRET=1`` (``tests/test_gpu_interprete
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -246,3 +247,66 @@ def test_the_bench_warm_up_loads_only_what_was_saved(family: str) -> None:
         warm(eng, cell, None, lambda: None)
     assert rt.races == []
     eng.close()
+
+
+# --- kernel-path batches on alternating streams (kvtier.gpu.engine.KERNEL_STREAMS) ----------
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("name", ["v032_flash_BHLNC", "v032_mla_auto"])
+def test_kernel_batches_alternate_streams_bit_exact_and_race_free(name: str,
+                                                                  verify: bool) -> None:
+    """Batches of one chunk each (so one job spans several batches and the staging ring
+    wraps): consecutive batches of a direction run their gather or scatter on two different
+    kernel streams, the bytes are the reference codec's both ways, and no access on one
+    stream is unordered against another (staging reuse, ids, sums)."""
+    fam = _family(name)
+    rt = RaceCheckingRuntime()
+    launches: list[str] = []
+    real_launch = kernels.TileTable.launch
+
+    def spy(self: Any, *args: Any, **kw: Any) -> None:
+        launches.append(rt.current().name)
+        real_launch(self, *args, **kw)
+
+    def make(mover: ChunkMover) -> CudaTransferEngine:
+        cb = max(mover.geometry.chunk_bytes(g) for g in range(len(mover.layout.groups)))
+        cfg = KvtierConfig(dram_size="1GiB", gpu_staging_size=f"{8 * cb}B")
+        eng = CudaTransferEngine(mover, cfg, mode="kernel", batch_bytes=cb, max_programs=4,
+                                 runtime=rt)
+        rt.watch(eng)
+        return eng
+    kernels.TileTable.launch = spy  # type: ignore[method-assign]
+    try:
+        with rt.tracing(), traced_kernels(rt):
+            moved = check_engine(fam, make, seed=5, n_chunks=4, verify=verify)
+    finally:
+        kernels.TileTable.launch = real_launch  # type: ignore[method-assign]
+    assert moved["saved"] > 0 and moved["loaded"] > 0
+    assert rt.races == [] and rt.accesses > 0
+    assert len(launches) >= 8  # 4 saves and 4 loads, a batch each
+    # two streams per direction, taken in turn: no two consecutive launches share one
+    assert len(set(launches)) == 4
+    assert all(a != b for a, b in itertools.pairwise(launches))
+
+
+def test_one_kernel_stream_is_the_previous_engine() -> None:
+    fam = _family("v032_flash_BHLNC")
+    rt = RaceCheckingRuntime()
+
+    def make(mover: ChunkMover) -> CudaTransferEngine:
+        cb = mover.geometry.chunk_bytes(0)
+        cfg = KvtierConfig(dram_size="1GiB", gpu_staging_size=f"{8 * cb}B")
+        eng = CudaTransferEngine(mover, cfg, mode="kernel", batch_bytes=cb, max_programs=4,
+                                 kernel_streams=1, runtime=rt)
+        assert eng._kernels["save"] == [eng.save_kernel]
+        rt.watch(eng)
+        return eng
+    with rt.tracing(), traced_kernels(rt):
+        moved = check_engine(fam, make, seed=5, n_chunks=4)
+    assert moved["loaded"] > 0 and rt.races == []
+    chunk, bpc = blocks_per_chunk(fam.layout)
+    mover = make_mover(fam.layout, chunk, bpc, 2, pin=False)
+    with pytest.raises(ValueError, match="kernel_streams must be at least 1"):
+        CudaTransferEngine(mover, CONFIG, kernel_streams=0, runtime=HostRuntime())
+    mover.slab.close()

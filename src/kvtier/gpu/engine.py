@@ -32,7 +32,9 @@ Ordering (docs/design.md §2.6, §2.9), with side streams and events only; the h
   :meth:`poll` only once its last write completed; vLLM reads the blocks only after that.
 - Staging is one device buffer of ``gpu_staging_size`` bytes, half per direction, reused in
   stream order: a batch waits on the GPU for the events of earlier batches whose bytes it
-  overwrites. Block ids reach the kernel through a pinned ring (at most a few MiB).
+  overwrites. A direction's kernel-path batches take its ``kernel_streams`` kernel
+  streams in turn (:data:`KERNEL_STREAMS`), so batches of one direction may gather or scatter
+  out of order; each waits only for its own copy (and its staging's earlier users). Block ids reach the kernel through a pinned ring (at most a few MiB).
 
 Every job is reported exactly once by :meth:`poll`: after all its copies completed, or as
 failed (bad block ids or slots, an exception while enqueuing, a CUDA error, a checksum
@@ -84,6 +86,16 @@ per batched-DMA descriptor, so pieces of 64 KiB cost 42 % of a core per directio
 and both directions at once became host-bound (60-85 GB/s against 93-96 with the kernel path);
 the kernel path moved 54 GB/s each way from 8 KiB pieces up."""
 BATCH_BYTES = 64 * 2**20
+KERNEL_STREAMS = 2
+"""Default of ``kernel_streams``: consecutive kernel-path batches of one direction alternate
+between this many high-priority streams. Why (H200, ``bench/notes/transfer.md`` run 3): under
+cuBLAS's persistent 8192^3 GEMM, which holds every SM for ~1.6 ms, a queued gather or scatter
+runs only where a GEMM ends, and one stream lets one kernel through there (the next kernel of
+the stream is still waiting on the first when the next GEMM takes the SMs): one 64 MiB batch
+per GEMM, ~41 GB/s at most, and loads of small pieces measured 37-45. Two streams let the
+kernels of two landed batches start at the same GEMM end; the same model puts that at ~52
+(``tests/test_gpu_kernels.py`` checks the bytes and the stream order on CPU). Unmeasured on the
+GPU until ``bench/gpu_layouts.sh`` runs; ``kernel_streams=1`` is the previous behaviour."""
 STAGE_ALIGN = 256
 META_ENTRIES = 1 << 18
 
@@ -232,7 +244,11 @@ class CudaTransferEngine(TransferEngine):
 
     ``mode``: ``auto`` | ``dma`` | ``kernel`` (``kernel`` falls back to ``dma`` for a group
     whose chunk does not fit a quarter of the staging). ``batch_bytes``: the most bytes one
-    batch moves. ``max_programs``/``num_warps``: the gather kernel's grid cap and width.
+    batch moves. ``max_programs``/``num_warps``: the gather kernel's grid cap and width (a
+    launch's; up to ``kernel_streams`` launches of a direction may run at once).
+    ``kernel_streams``: the streams a direction's kernel-path batches alternate between
+    (:data:`KERNEL_STREAMS`); loads are unordered between batches (two loads in flight never
+    write the same block: the scheduler loads into blocks no one reads until reported).
     ``runtime``: default a :class:`~kvtier.gpu.runtime.CudaRuntime` of the cache's device;
     tests pass :class:`kvtier.testing.host_runtime.HostRuntime` to run the same engine on CPU
     tensors.
@@ -241,6 +257,7 @@ class CudaTransferEngine(TransferEngine):
     def __init__(self, mover: ChunkMover, config: KvtierConfig, *, mode: str = "auto",
                  dma_min_piece: int = DMA_MIN_PIECE, batch_bytes: int = BATCH_BYTES,
                  max_programs: int = 256, num_warps: int = 4,
+                 kernel_streams: int = KERNEL_STREAMS,
                  runtime: Runtime | None = None) -> None:
         if mode not in ("auto", "dma", "kernel"):
             raise ValueError(f"unknown transfer mode {mode!r} (auto, dma or kernel)")
@@ -257,10 +274,14 @@ class CudaTransferEngine(TransferEngine):
                 raise ValueError(f"the KV cache is on {device}, not on a CUDA device")
             runtime = CudaRuntime(device)
         self.rt = runtime
-        self.save_kernel = runtime.stream(high_priority=True)
+        if kernel_streams < 1:
+            raise ValueError(f"kernel_streams must be at least 1, got {kernel_streams}")
+        self._kernels = {kind: [runtime.stream(high_priority=True) for _ in
+                                range(kernel_streams)] for kind in ("save", "load")}
+        self._kernel_turn = {"save": 0, "load": 0}
+        self.save_kernel, self.load_kernel = self._kernels["save"][0], self._kernels["load"][0]
         self.save_copy = runtime.stream()
         self.load_copy = runtime.stream()
-        self.load_kernel = runtime.stream(high_priority=True)
         self.verify_sums = mover.verify
         half = (int(config.gpu_staging_size) // 2) // STAGE_ALIGN * STAGE_ALIGN
         self._groups = [self._set_up_group(g, half, dma_min_piece) for g in
@@ -630,15 +651,15 @@ class CudaTransferEngine(TransferEngine):
         start, done = rt.event(timing=True), rt.event(timing=True)
         error = ""
         copy = self.save_copy if kind == "save" else self.load_copy
-        kern = self.save_kernel if kind == "save" else self.load_kernel
+        kern = self._kernel_stream(kind)
         reads: list[Any] = []
         try:
             if g.path == "dma":
-                reads = self._dma(kind, g, ids, slots, after, start, done, check)
+                reads = self._dma(kind, g, ids, slots, after, start, done, check, kern)
             elif kind == "save":
-                reads = [self._save_staged(g, ids, slots, after, start, done, check)]
+                reads = [self._save_staged(g, ids, slots, after, start, done, check, kern)]
             else:
-                self._load_staged(g, ids, slots, after, start, done, check)
+                self._load_staged(g, ids, slots, after, start, done, check, kern)
         except Exception as e:  # enqueued work of this batch completes before the report
             error = f"{type(e).__name__}: {e}"
             try:
@@ -667,19 +688,25 @@ class CudaTransferEngine(TransferEngine):
                                "bytes": len(slots) * g.chunk_bytes, "start": start,
                                "done": done, "host_s": time.perf_counter() - t0})
 
+    def _kernel_stream(self, kind: str) -> Any:
+        """The kernel stream of the direction's next batch: the next one in turn."""
+        streams = self._kernels[kind]
+        turn = self._kernel_turn[kind]
+        self._kernel_turn[kind] = (turn + 1) % len(streams)
+        return streams[turn]
+
     def _copy(self, desc: Descriptors, to_host: bool, stream: Any) -> None:
         """Merge adjacent pieces, never across a host-memory registration, and enqueue."""
         self.rt.copy(split_at(merge_adjacent(desc), to_host, self._host_bounds), stream)
 
     def _dma(self, kind: str, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
-             start: Any, done: Any, check: BatchCheck | None) -> list[Any]:
+             start: Any, done: Any, check: BatchCheck | None, kern: Any) -> list[Any]:
         """One DMA batch; with ``check`` the cache-only checksum pass on the kernel stream:
         beside the DMA for a save (both only read the blocks), after it for a load. Returns
         the events after which a save no longer reads its blocks."""
         rt = self.rt
         save = kind == "save"
         copy = self.save_copy if save else self.load_copy
-        kern = self.save_kernel if save else self.load_kernel
         copy.wait_event(after)
         start.record(copy)
         self._copy(piece_descriptors(g.table, ids, slots, save), save, copy)
@@ -706,12 +733,12 @@ class CudaTransferEngine(TransferEngine):
         return [moved, summed]
 
     def _save_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
-                     start: Any, done: Any, check: BatchCheck | None = None) -> Any:
+                     start: Any, done: Any, check: BatchCheck | None, kern: Any) -> Any:
         rt = self.rt
         n = len(slots) * g.chunk_bytes
         ring = self._stage_ring["save"]
         off, waits = ring.take(n)
-        kern, copy = self.save_kernel, self.save_copy
+        copy = self.save_copy
         read = rt.event()
         with rt.use(kern):
             kern.wait_event(after)
@@ -735,12 +762,12 @@ class CudaTransferEngine(TransferEngine):
         return read
 
     def _load_staged(self, g: _Group, ids: np.ndarray, slots: np.ndarray, after: Any,
-                     start: Any, done: Any, check: BatchCheck | None = None) -> None:
+                     start: Any, done: Any, check: BatchCheck | None, kern: Any) -> None:
         rt = self.rt
         n = len(slots) * g.chunk_bytes
         ring = self._stage_ring["load"]
         off, waits = ring.take(n)
-        kern, copy = self.load_kernel, self.load_copy
+        copy = self.load_copy
         copy.wait_event(after)
         for ev in waits:
             copy.wait_event(ev)

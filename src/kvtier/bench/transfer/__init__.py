@@ -31,6 +31,12 @@ pipeline stage; the actual chunk bytes are reported):
   state object); one state object per 16 MiB of KV. One block count serves both groups (as
   in vLLM), so its attention cache is small and blocks repeat across chunks.
 
+Registered layouts (:mod:`~.registered`), each once at kvtier's own chunk for it: the caches
+vLLM 0.25.1 registers on the H200 for Kimi-Linear, DeepSeek-V3.2 (MLA + indexer), GLM-5
+(``fp8_ds_mla`` + indexer), MiniMax-M3 (dense, block-compact sparse and index caches) and
+DeepSeek-V3 with its MTP draft layer, at their real layer counts. ``--kernel-streams`` sets the
+engine's kernel streams per direction (1: one stream, the engine before two).
+
 Needs CUDA, except ``--smoke`` (tiny sizes on CPU tensors through the test host runtime,
 :mod:`kvtier.testing.host_runtime`, and ``TRITON_INTERPRET=1``; checks the code, not the
 speed).
@@ -66,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gemm", action="store_true", help="skip the runs under a GEMM")
     p.add_argument("--dma-min-piece", default=None,
                    help="the auto path's threshold to report (default: the engine's)")
+    p.add_argument("--kernel-streams", type=int, default=None,
+                   help="kernel streams per direction (default: the engine's, "
+                        "kvtier.gpu.engine.KERNEL_STREAMS; 1 = one stream, as before)")
     p.add_argument("--verify", action="store_true",
                    help="checksums at save and verified at load, as verify_checksums does")
     p.add_argument("--host-pool", default="pinned", choices=POOLS,

@@ -19,8 +19,10 @@ from typing import Any
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 CHUNKS = (256 * KIB, 2 * MIB, 8 * MIB)
 FAMILIES = ("mha", "mla_bf16", "mla_fp8", "kv_fp8_scales", "indexer", "hybrid")
-# Layouts a model registers, at their own chunk (one cell each, whatever --chunks says).
-REGISTERED_LAYOUTS = ("kimi_linear",)
+# Layouts a model registers, at their own chunk (one cell each, whatever --chunks says):
+# kvtier.bench.transfer.registered.
+REGISTERED_LAYOUTS = ("kimi_linear", "deepseek_v32", "glm_moe_dsa", "minimax_m3",
+                      "deepseek_v3_mtp")
 STEP_BYTES = 64 * MIB  # saves submitted per engine step; bytes per load job
 
 
@@ -150,43 +152,18 @@ def _hybrid(family: str, z: _Sizing) -> CacheCase:
                     note=f"{nb} blocks for both groups; blocks repeat across chunks")
 
 
-def _kimi_linear(family: str, z: _Sizing) -> CacheCase:
-    """Kimi-Linear's registered layout as vLLM 0.25.1 gives it to a connector on the H200
-    (bench/results/2026-12-01-bare-gpu-h200-vllm025/run2/kimi_linear.json, scaled to the real
-    27 layers): 7 MLA layers ``(nb, 1888, 576)`` bf16 and 20 KDA layers whose page of 2,174,976
-    bytes holds the q/k/v conv state ``(3, 12288)`` bf16 then the recurrent state
-    ``(32, 128, 128)`` float32 (4 KiB of padding at the end). The block size (1,888 tokens) is
-    what vLLM chose to make both page sizes equal, so the chunk is one block (15.2 MB of KV)
-    whatever ``chunk`` asks, and every chunk carries its boundary's state object (20 pages,
-    43.5 MB), as a boundary at every chunk would: 74% of the bytes moved are state. Blocks
-    are distinct per direction (the loads are spot-checked)."""
-    n_mla, n_kda = (7, 20) if not z.smoke else (2, 3)
-    bs, page = (1888, 2174976) if not z.smoke else (16, 18432 + 4096)
-    conv, rec = ((3, 12288), (32, 128, 128)) if not z.smoke else ((3, 64), (2, 16, 32))
-    width = 576 if not z.smoke else 16
-    boundary = n_mla * bs * width * 2 + n_kda * (math.prod(conv) * 2 + math.prod(rec) * 4)
-    chunks = -(-z.span // boundary)  # KV chunk + its state object
-    nb = max(17, 2 * chunks + 8) | 1  # distinct blocks for every chunk and state, per direction
-    mla = [_attn(i) for i in range(n_mla)]
-    kda = [f"model.layers.{i}.self_attn" for i in range(n_mla, n_mla + n_kda)]
-    tensors: dict[str, Any] = {nm: ((nb, bs, width), "bfloat16") for nm in mla}
-    for nm in kda:
-        tensors[nm] = [((nb, *conv), "bfloat16"), ((nb, *rec), "float32")]
-    return CacheCase(family, z.chunk, tensors, [("full", bs, mla), ("state", bs, kda)],
-                    nb, [1, 1], state_every=1, page_bytes={nm: page for nm in kda},
-                    note=f"chunk = one {bs}-token block + its state object")
-
-
 _BUILDERS: dict[str, Callable[[str, _Sizing], CacheCase]] = {
     "mha": _mha, "mla_bf16": _mla, "mla_fp8": _mla, "kv_fp8_scales": _kv_fp8_scales,
-    "indexer": _indexer, "hybrid": _hybrid, "kimi_linear": _kimi_linear,
+    "indexer": _indexer, "hybrid": _hybrid,
 }
 
 
 def cache_case(family: str, chunk: int, span: int, smoke: bool = False) -> CacheCase:
     """The cache for ``family`` with chunks of about ``chunk`` bytes and at least ``span``
     bytes of distinct blocks (two sets: saves and loads)."""
-    build = _BUILDERS.get(family)
+    from kvtier.bench.transfer.registered import BUILDERS  # they build on this module
+
+    build = _BUILDERS.get(family) or BUILDERS.get(family)
     if build is None:
         raise ValueError(f"unknown family {family!r}")
     return build(family, _Sizing(chunk, span, smoke))
@@ -272,6 +249,9 @@ def _allocate(geo: CacheCase, device: Any) -> tuple[dict[str, Any], dict[str, An
         obj = type("Layer", (), {})()
         obj.k_scale = make(shape, dtype)
         obj.v_scale = make(shape, dtype)
+        if not shape:  # a per-tensor scale: vLLM's default, 1.0 (random bytes may be NaN)
+            obj.k_scale.fill_(1.0)
+            obj.v_scale.fill_(1.0)
         layers[name] = obj
     return kv, layers, storages
 

@@ -41,6 +41,7 @@ class Setting:
     idle: Any  # the stream the engine runs from (None on CPU)
     gemm: Gemm | None
     verify: bool = False  # checksums at save, verified at load (verify_checksums)
+    kernel_streams: int | None = None  # None: the engine's default
 
     def sync(self) -> None:
         if not self.smoke:
@@ -135,6 +136,7 @@ def _run_all(args: argparse.Namespace, meta: dict[str, Any], device: Any, host: 
     import torch
 
     from kvtier.config import KvtierConfig
+    from kvtier.gpu.engine import KERNEL_STREAMS
 
     smoke = bool(args.smoke)
     result: dict[str, Any] = {"meta": meta, "cells": [], "ceiling": None, "naive": None}
@@ -147,8 +149,9 @@ def _run_all(args: argparse.Namespace, meta: dict[str, Any], device: Any, host: 
               flush=True)
     cfg = KvtierConfig(dram_size="1GiB", gpu_staging_size="256MiB" if not smoke else "2MiB")
     st = Setting(smoke, device, span, thr, cfg, torch.cuda.Stream(device) if not smoke else None,
-                 gemm, verify=bool(args.verify))
+                 gemm, verify=bool(args.verify), kernel_streams=args.kernel_streams)
     meta["verify_checksums"] = bool(args.verify)
+    meta["kernel_streams"] = args.kernel_streams or KERNEL_STREAMS
     modes = [m for m in args.modes.split(",") if m]
     t_start = time.perf_counter()
     for fam in [f for f in args.families.split(",") if f]:
@@ -215,6 +218,8 @@ def _engine(st: Setting, cell: Cell, **kw: Any) -> Any:
     """The engine under test on the cell (on the host runtime for ``--smoke``)."""
     from kvtier.gpu.engine import CudaTransferEngine
 
+    if st.kernel_streams is not None:
+        kw.setdefault("kernel_streams", st.kernel_streams)
     runtime = None
     if st.smoke:
         from kvtier.testing.host_runtime import HostRuntime
