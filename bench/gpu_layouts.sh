@@ -6,10 +6,11 @@
 # (DSA indexer rows alone, 8,448-byte pieces) at 256 KiB chunks: dma and kernel paths, alone
 # and under the bench's bf16 8192^3 GEMM (the target: small pieces >= 75% of the link while
 # the GEMM runs; ~36-38 GB/s on 2026-11-29 and 2026-12-01).
-#   1. every family with the engine's default kernel streams (2 per direction: the change of
-#      wip/xfer-s4, unmeasured before this run);
+#   1. every family with 2 kernel streams per direction (--kernel-streams 2: kernel-path
+#      batches of a direction alternate between two streams; unmeasured before this run, so
+#      the engine's default stays 1 until it wins);
 #   2. the A/B for that change: indexer 256 KiB and deepseek_v32 with --kernel-streams 1 (the
-#      previous engine), then again with the default, alternating (ROUNDS pairs);
+#      engine's default) and 2, alternating (ROUNDS pairs);
 #   3. a summary table (summary.md): per cell, kernel path, save/load alone and under the
 #      GEMM, against 75% of the measured pinned ceiling.
 # Everything goes under $OUT; every step has a timeout within what is left of a 235 s budget.
@@ -55,10 +56,10 @@ bench() {  # bench TIMEOUT END TAG ARGS...: one `kvtier bench transfer` run, log
     python3 -c "import torch, msgpack, pydantic; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/log"
 python3 -c "import msgpack, pydantic" 2>/dev/null || { echo "msgpack or pydantic missing: see the header" | tee -a "$OUT/log"; exit 2; }
-bench 120 $(( BUDGET - 90 )) layouts --families "$FAMILIES"
+bench 120 $(( BUDGET - 90 )) layouts --families "$FAMILIES" --kernel-streams 2
 for round in $(seq 1 "$ROUNDS"); do
     bench 40 $(( BUDGET - 10 )) "one-stream-$round" --families "$AB_FAMILIES" --kernel-streams 1
-    bench 40 $(( BUDGET - 10 )) "two-streams-$round" --families "$AB_FAMILIES"
+    bench 40 $(( BUDGET - 10 )) "two-streams-$round" --families "$AB_FAMILIES" --kernel-streams 2
 done
 timeout "$(within 10 "$BUDGET")" python3 - "$OUT/transfer" <<'EOF' 2>&1 | tee "$OUT/summary.md" | tee -a "$OUT/log"
 import json, pathlib, re, sys

@@ -273,7 +273,7 @@ def test_kernel_batches_alternate_streams_bit_exact_and_race_free(name: str,
         cb = max(mover.geometry.chunk_bytes(g) for g in range(len(mover.layout.groups)))
         cfg = KvtierConfig(dram_size="1GiB", gpu_staging_size=f"{8 * cb}B")
         eng = CudaTransferEngine(mover, cfg, mode="kernel", batch_bytes=cb, max_programs=4,
-                                 runtime=rt)
+                                 kernel_streams=2, runtime=rt)
         rt.watch(eng)
         return eng
     kernels.TileTable.launch = spy  # type: ignore[method-assign]

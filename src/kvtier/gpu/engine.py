@@ -86,7 +86,7 @@ per batched-DMA descriptor, so pieces of 64 KiB cost 42 % of a core per directio
 and both directions at once became host-bound (60-85 GB/s against 93-96 with the kernel path);
 the kernel path moved 54 GB/s each way from 8 KiB pieces up."""
 BATCH_BYTES = 64 * 2**20
-KERNEL_STREAMS = 2
+KERNEL_STREAMS = 1
 """Default of ``kernel_streams``: consecutive kernel-path batches of one direction alternate
 between this many high-priority streams. Why (H200, ``bench/notes/transfer.md`` run 3): under
 cuBLAS's persistent 8192^3 GEMM, which holds every SM for ~1.6 ms, a queued gather or scatter
