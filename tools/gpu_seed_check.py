@@ -42,11 +42,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # kvtier's chunk on the H200 with vLLM 0.25.1 (the block size vLLM chose to equalize page
 # sizes, bench/results/2026-12-01-bare-gpu-h200-vllm025/run2), so the cold reference can run
 # first; a run records the chunk it found, and --chunk overrides
-# DSA: chunk 1,024 (a multiple of block 64) so the long prompt (3 chunks + 5) is longer than
-# the indexer's top-2,048 keys and the indexer's bytes decide which keys are attended (at
-# 773 tokens every key is, and the indexer control changed only checksums; H200 2026-12-01)
+# DSA and MiniMax-M3: chunk 1,024 (a multiple of their blocks, 64 and 128) so that every
+# prompt (the long one: 3 chunks + 5; the shared ones: 2 chunks + 519 / + 1,027) is longer
+# than what the indexer selects (DSA's top 2,048 keys, M3's top 16 blocks of 128) and the
+# index cache's bytes decide what is attended (at 773 tokens every key is, and the indexer
+# control changed only checksums; H200 2026-12-01)
 GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544, "deepseek_v32": 1024,
-              "glm_moe_dsa": 1024, "deepseek_v3_mtp": 256}
+              "glm_moe_dsa": 1024, "minimax_m3": 1024, "deepseek_v3_mtp": 256}
 # Recurrent-state families: with prefix caching on, vLLM's ``align`` mode ends a prefill step
 # at the last block boundary (the long prompt: 3 chunks, then 5 tokens), where a cold engine
 # computes the prompt in one step and its scans sum in another order. Their cold reference
