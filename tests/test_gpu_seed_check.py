@@ -33,6 +33,26 @@ def test_prompts_cover_three_chunks_and_a_shared_two_chunk_prefix() -> None:
     assert all(100 <= t < 4096 for t in long + a + b)
 
 
+def test_shared_prompts_end_a_few_tokens_past_whole_chunks() -> None:
+    """Run C hits vLLM's HBM cache in whole blocks, run B restores whole chunks: with a tail
+    shorter than any block both stop at the same boundary (a half-chunk tail made C hit
+    blocks past it, so C computed fewer tokens than B). Each check has tokens of its own,
+    so each one's run A computes instead of loading an earlier check's chunks."""
+    tool = _tool()
+    chunk = 1024
+    p = tool.prompts_for(chunk, 4096)
+    assert set(p) == set(tool.CHECKS) and set(tool.VERDICT) <= set(tool.CHECKS)
+    assert {"shared_single"} == tool.ONE_AT_A_TIME
+    for name in ("shared_single", "shared_batch"):
+        a, b = p[name]
+        assert a[:2 * chunk] == b[:2 * chunk] and a[2 * chunk] != b[2 * chunk]
+        for q in (a, b):
+            tail = len(q) - (len(q) - 1) // chunk * chunk
+            assert (len(q) - 1) // chunk == 3 and 0 < tail < 16  # 16: vLLM's smallest block
+    firsts = [q[0] for n in tool.CHECKS for q in p[n][:1]]
+    assert len(set(firsts)) == len(firsts)
+
+
 def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) -> None:
     tool = _tool()
     args = tool.argparse.Namespace(arch="kimi_linear", max_model_len=8192, eager=False,
