@@ -3,10 +3,22 @@
 # (installed into $SITE first). One stage per device call (each under the 10-minute limit):
 #   STAGE=check  tools/gpu_seed_check.py for $ARCHS in parallel (correctness only, so they
 #                share the GPU), then `kvtier bench transfer --families kimi_linear` alone;
-#   STAGE=gain   tools/gpu_shared_prefix.py --model kimi-linear for $CONFIGS (default
-#                hbm kvtier native big), one engine process each, one after the other.
+#   STAGE=gain   tools/gpu_shared_prefix.py --model $GAIN_MODEL (default kimi-linear;
+#                minimax-m3, glm-dsa, deepseek-v32: the sparse seeds at their real hidden
+#                size and layer count) for $CONFIGS (default hbm kvtier native big), one
+#                engine process each, one after the other, each under RUN_TIMEOUT seconds.
 # Everything lands in $OUT/<stage>.tgz (the device tool returns at most 8 files).
 #   STAGE=check ARCHS="kimi_linear qwen3_next" NEG="" bash bench/gpu_hybrid.sh
+# The sparse seeds' gain runs (issue 14) need the gpu-kit with flashinfer (M3's Gemma norms)
+# and DeepGEMM's JIT headers (the DSA indexer) in $SITE, as their checks do. Their HBM-only
+# run recomputes about 835k prompt tokens on a 60-78-layer model (estimated 150-280 s, plus
+# a 40-130 s start: DSA compiles 61-78 layers, later engines hit the compile cache), so it
+# gets a device call of its own and the other three share the next (10-minute limit):
+#   STAGE=gain GAIN_MODEL=minimax-m3 CONFIGS=hbm RUN_TIMEOUT=560 DRAM_GIB=24 bash bench/gpu_hybrid.sh
+#   STAGE=gain GAIN_MODEL=minimax-m3 CONFIGS="big kvtier native" RUN_TIMEOUT=185 DRAM_GIB=24 \
+#       bash bench/gpu_hybrid.sh
+# (GAIN_MODEL=glm-dsa the same; DRAM_GIB 24 holds every prefix's and suffix's chunks: 13.7 GB
+# for M3, 11 GB for GLM.)
 set -u -o pipefail
 OUT=${OUT:-/tmp/kvtier-out}
 SITE=${SITE:-/tmp/site}

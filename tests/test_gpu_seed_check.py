@@ -5,6 +5,7 @@ H200 (bench/results/)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,26 @@ def test_prompts_cover_three_chunks_and_a_shared_two_chunk_prefix() -> None:
     assert all(100 <= t < 4096 for t in long + a + b)
 
 
+def test_shared_prompts_end_a_few_tokens_past_whole_chunks() -> None:
+    """Run C hits vLLM's HBM cache in whole blocks, run B restores whole chunks: with a tail
+    shorter than any block both stop at the same boundary (a half-chunk tail made C hit
+    blocks past it, so C computed fewer tokens than B). Each check has tokens of its own,
+    so each one's run A computes instead of loading an earlier check's chunks."""
+    tool = _tool()
+    chunk = 1024
+    p = tool.prompts_for(chunk, 4096)
+    assert set(p) == set(tool.CHECKS) and set(tool.VERDICT) <= set(tool.CHECKS)
+    assert {"shared_single"} == tool.ONE_AT_A_TIME
+    for name in ("shared_single", "shared_batch"):
+        a, b = p[name]
+        assert a[:2 * chunk] == b[:2 * chunk] and a[2 * chunk] != b[2 * chunk]
+        for q in (a, b):
+            tail = len(q) - (len(q) - 1) // chunk * chunk
+            assert (len(q) - 1) // chunk == 3 and 0 < tail < 16  # 16: vLLM's smallest block
+    firsts = [q[0] for n in tool.CHECKS for q in p[n][:1]]
+    assert len(set(firsts)) == len(firsts)
+
+
 def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) -> None:
     tool = _tool()
     args = tool.argparse.Namespace(arch="kimi_linear", max_model_len=8192, eager=False,
@@ -47,13 +68,30 @@ def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) ->
     assert cold["max_num_batched_tokens"] == 3 * 1888 and kv["max_num_batched_tokens"] == 8192
 
 
-def test_dsa_prompts_outgrow_the_indexers_top_k() -> None:
+def _selected_tokens(arch: str, folder: Path) -> int:
+    """How many tokens the seed's indexer lets a query attend, from its written config."""
+    from kvtier.testing.seed_models import SEED_MODELS
+
+    cfg = json.loads((Path(SEED_MODELS[arch].write(str(folder))) / "config.json").read_text())
+    if "text_config" in cfg:  # MiniMax-M3: top-k blocks of the sparse block size
+        sparse = cfg["text_config"]["sparse_attention_config"]
+        return sparse["sparse_topk_blocks"] * sparse["sparse_block_size"]
+    return cfg["index_topk"]
+
+
+def test_sparse_prompts_outgrow_the_indexers_top_k(tmp_path: Path) -> None:
     """At 773 tokens DSA attends every key (top-2,048) and the indexer control could change
-    only checksums (H200, 2026-12-01): the DSA seeds' long prompt must exceed the top-k."""
+    only checksums (H200, 2026-12-01): every prompt of the sparse seeds' checks (the long one
+    and both shared ones) must exceed what the indexer selects, and each chunk must be whole
+    blocks of the seed's block size."""
     tool = _tool()
-    for arch in ("deepseek_v32", "glm_moe_dsa"):
-        long = tool.prompts_for(tool.GPU_CHUNKS[arch], 4096)["long"][0]
-        assert len(long) > 2048
+    for arch, block in (("deepseek_v32", 64), ("glm_moe_dsa", 64), ("minimax_m3", 128)):
+        chunk = tool.GPU_CHUNKS[arch]
+        assert chunk % block == 0
+        prompts = tool.prompts_for(chunk, 4096)
+        selected = _selected_tokens(arch, tmp_path / arch)
+        assert selected == 2048
+        assert all(len(p) > selected for p in prompts["long"] + prompts["shared_batch"]), arch
 
 
 def test_a_child_writes_its_result_where_the_driver_waits_for_it(tmp_path: Path) -> None:

@@ -24,11 +24,10 @@ start-ups do not disturb each other's memory profiling) within ``--gpu-mem`` of 
 child that dies, times out or leaves an unreadable JSON is recorded as failed; summary.json is
 always written.
 
-vLLM 0.25.1 fix applied in the child (``--no-vllm-fixes`` runs it pristine; the JSON lists what
-was applied): ``MLAAttention.get_kv_cache_spec`` leaves ``kv_quant_mode`` at NONE, so the
-runner reshapes fp8_ds_mla pages (656 B/token) as 576 elements and every DSA model with fp8 KV
-fails at start-up (vllm-project/vllm#48378, fixed after 0.25.1 by #48379); the fix sets the
-quant mode from the spec's own ``cache_dtype_str``, as #48379 does.
+vLLM 0.25.1 fixes applied in the child (``--no-vllm-fixes`` runs it pristine; the JSON lists what
+was applied; ``kvtier.testing.vllm_fixes``): the fp8_ds_mla spec fix (every DSA model with fp8
+KV fails at start-up without it: vllm-project/vllm#48378, fixed after 0.25.1 by #48379) and
+MiniMax-M3's top-k buffer layout off SM100 (NaN in batched prefills: #48603, fixed by #49149).
 
 DeepGEMM's JIT headers (the DSA indexer, deepseek_v32 and glm_moe_dsa) are in vLLM's own wheel
 (``vllm/third_party/deep_gemm/include``: 863 files, CUTLASS/CuTe and DeepGEMM, 27 MB) and the
@@ -50,7 +49,6 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
-import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -64,13 +62,18 @@ import tarfile
 import time
 import traceback
 import zipfile
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from kvtier.testing.seed_models import SEED_MODELS
+from kvtier.testing.vllm_fixes import (  # noqa: F401 (FIX_*, with_quant_mode: the tests' names)
+    FIX_M3_TOPK_LAYOUT,
+    FIX_MLA_QUANT_MODE,
+    apply_vllm_fixes,
+    with_quant_mode,
+)
 
 CHILD_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -80,8 +83,6 @@ CHILD_ENV = {
 DEEPGEMM_INCLUDE = "vllm/third_party/deep_gemm/include/"
 DEEPGEMM_PROBE = DEEPGEMM_INCLUDE + "deep_gemm/scheduler/paged_mqa_logits.cuh"
 DEEPGEMM_TARBALL = "deepgemm-include.tar.gz"
-FIX_MLA_QUANT_MODE = ("MLAAttention.get_kv_cache_spec sets kv_quant_mode from cache_dtype_str "
-                      "(vllm-project/vllm#48379, for #48378: fp8_ds_mla reshape)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-connector", action="store_true",
                     help="no connector at all; tensors read from the layers")
     ap.add_argument("--no-vllm-fixes", action="store_true",
-                    help="run vLLM 0.25.1 pristine (no fp8_ds_mla spec fix)")
+                    help="run vLLM 0.25.1 pristine (none of kvtier.testing.vllm_fixes)")
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--timeout", type=int, default=270, help="seconds per architecture (--all)")
     ap.add_argument("--parallel", type=int, default=3, help="architectures at once (--all)")
@@ -138,37 +139,6 @@ def engine_kwargs(args: argparse.Namespace, name: str, folder: str) -> dict[str,
             kv_connector="CensusConnector", kv_connector_module_path="kvtier.testing.census",
             kv_role="kv_both")
     return kw
-
-
-def with_quant_mode(spec: Any) -> Any:
-    """An MLA spec whose ``cache_dtype_str`` is quantized but whose ``kv_quant_mode`` is NONE
-    (0.25.1's ``MLAAttention.get_kv_cache_spec``), with the quant mode set from that string;
-    any other spec unchanged. Page size and every other field stay as they were."""
-    from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec, get_kv_quant_mode
-
-    if not isinstance(spec, MLAAttentionSpec) or spec.kv_quant_mode != KVQuantMode.NONE:
-        return spec
-    mode = get_kv_quant_mode(spec.cache_dtype_str or "auto")
-    return spec if mode == KVQuantMode.NONE else dataclasses.replace(spec, kv_quant_mode=mode)
-
-
-def apply_vllm_fixes() -> list[str]:
-    """On vLLM 0.25.x, wrap ``MLAAttention.get_kv_cache_spec`` with ``with_quant_mode`` (the
-    upstream fix, see the module docstring); the fixes applied, none on other versions."""
-    import vllm
-
-    if not vllm.__version__.startswith("0.25."):
-        return []
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-    original: Callable[..., Any] = MLAAttention.get_kv_cache_spec
-    if not getattr(original, "kvtier_fix", False):
-        def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
-            return with_quant_mode(original(self, vllm_config))
-
-        get_kv_cache_spec.kvtier_fix = True  # type: ignore[attr-defined]
-        MLAAttention.get_kv_cache_spec = get_kv_cache_spec  # type: ignore[method-assign]
-    return [FIX_MLA_QUANT_MODE]
 
 
 def record_hash(data: bytes) -> str:

@@ -8,9 +8,11 @@ One process per engine, all driven from this one command:
 1. **kvtier** (``kvtier.testing.probe.ProbeConnector``): the registration census kvtier logs
    (groups, segments, state objects, dtypes, bytes per block, the chunk), then
    :func:`kvtier.testing.restore.restore_check` on a long prompt (three chunks + 5 tokens)
-   and on two prompts sharing two chunks: run A computes, run C hits vLLM's own prefix cache
-   at the same boundary, then the prefix cache is reset and every registered tensor (KV and
-   state) overwritten with a fill pattern, and run B restores from kvtier. Passes only if
+   and on two prompts sharing two chunks, one at a time (``shared_single``, part of the
+   verdict) and in one batch (``shared_batch``, a report: see ``CHECKS``): run A computes,
+   run C hits vLLM's own prefix cache at the same boundary, then the prefix cache is reset
+   and every registered tensor (KV and state) overwritten with a fill pattern, and run B
+   restores from kvtier. Passes only if
    kvtier restored exactly the whole-chunk prefixes, block checksums read through vLLM's
    block table match, and B's greedy tokens and top-5 logprobs equal C's bit for bit.
 2. **cold** (no connector, prefix caching off): the same prompts computed from scratch; B's
@@ -42,11 +44,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # kvtier's chunk on the H200 with vLLM 0.25.1 (the block size vLLM chose to equalize page
 # sizes, bench/results/2026-12-01-bare-gpu-h200-vllm025/run2), so the cold reference can run
 # first; a run records the chunk it found, and --chunk overrides
-# DSA: chunk 1,024 (a multiple of block 64) so the long prompt (3 chunks + 5) is longer than
-# the indexer's top-2,048 keys and the indexer's bytes decide which keys are attended (at
-# 773 tokens every key is, and the indexer control changed only checksums; H200 2026-12-01)
+# DSA and MiniMax-M3: chunk 1,024 (a multiple of their blocks, 64 and 128) so that every
+# prompt (the long one: 3 chunks + 5; the shared ones: 2 chunks + 519 / + 1,027) is longer
+# than what the indexer selects (DSA's top 2,048 keys, M3's top 16 blocks of 128) and the
+# index cache's bytes decide what is attended (at 773 tokens every key is, and the indexer
+# control changed only checksums; H200 2026-12-01)
 GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544, "deepseek_v32": 1024,
-              "glm_moe_dsa": 1024, "deepseek_v3_mtp": 256}
+              "glm_moe_dsa": 1024, "minimax_m3": 1024, "deepseek_v3_mtp": 256}
 # Recurrent-state families: with prefix caching on, vLLM's ``align`` mode ends a prefill step
 # at the last block boundary (the long prompt: 3 chunks, then 5 tokens), where a cold engine
 # computes the prompt in one step and its scans sum in another order. Their cold reference
@@ -55,14 +59,32 @@ GPU_CHUNKS = {"kimi_linear": 1888, "qwen3_next": 544, "deepseek_v32": 1024,
 STATE_ARCHS = {"kimi_linear", "qwen3_next"}
 
 
+# The checks, in order: the long prompt; the two prompts sharing two chunks one at a time (the
+# shared chunks restored for each on its own: bit-equal to the HBM hit where kernels are not
+# batch-invariant); the same two restored in one batch (a report: B's requests leave their
+# parked loads in other steps than C's hits, so they are batched differently and bf16 kernels
+# give other last bits; H200, 2026-12-01). The verdict is the first two.
+CHECKS = ("long", "shared_single", "shared_batch")
+VERDICT = ("long", "shared_single")
+ONE_AT_A_TIME = {"shared_single"}
+
+
 def prompts_for(chunk: int, vocab: int) -> dict[str, list[list[int]]]:
-    """A long prompt of three chunks + 5 tokens, and two prompts sharing two chunks."""
+    """A long prompt of three chunks + 5 tokens, and two prompts sharing two chunks and
+    differing right after them, each three chunks + a tail shorter than any block (7 and 3
+    tokens), so that vLLM's own HBM hit (whole blocks) ends where kvtier's restore (whole
+    chunks) does: with a tail of half a chunk, run C hit blocks past the chunk boundary and
+    computed fewer tokens than run B."""
     def toks(n: int, seed: int) -> list[int]:
         return [(seed * 7919 + 31 * i + (i * i) % 97) % (vocab - 200) + 100 for i in range(n)]
 
-    shared = toks(2 * chunk, 2)
-    return {"long": [toks(3 * chunk + 5, 1)],
-            "shared_batch": [shared + toks(chunk // 2 + 7, 3), shared + toks(chunk + 3, 4)]}
+    def pair(seed: int) -> list[list[int]]:
+        shared = toks(2 * chunk, seed)
+        return [shared + toks(chunk + 7, seed + 1), shared + toks(chunk + 3, seed + 2)]
+
+    # other tokens for each check, so that each one's run A computes (kvtier holds nothing
+    # of them yet) instead of loading what an earlier check saved
+    return {"long": [toks(3 * chunk + 5, 1)], "shared_single": pair(2), "shared_batch": pair(5)}
 
 
 def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str, Any]:
@@ -145,7 +167,8 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     if mode == "cold":
         sharpen_dummy_weights(llm)
         for name, prompts in prompts_for(args.chunk, VOCAB).items():
-            res[name] = [g.to_json() for g in cold_reference(llm, prompts, params)]
+            res[name] = [g.to_json() for g in cold_reference(
+                llm, prompts, params, one_at_a_time=name in ONE_AT_A_TIME)]
         return res
     h = handles(llm)
     sharpen_dummy_weights(h)
@@ -154,7 +177,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     if args.cold and wait_for(args.cold, args.timeout / 2):
         with open(args.cold) as f:
             ref = json.load(f)
-        cold = {n: [Generated.from_json(g) for g in ref[n]] for n in ("long", "shared_batch")}
+        cold = {n: [Generated.from_json(g) for g in ref[n]] for n in CHECKS if n in ref}
     if args.negative:
         module, fn = NEGATIVE_CONTROLS[args.negative]
         res["negative_rpc"] = llm.collective_rpc(getattr(importlib.import_module(module), fn),
@@ -163,7 +186,8 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     for name, prompts in prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB).items():
         t = time.time()
         try:
-            r = restore_check(h, prompts, params, cold=cold.get(name))
+            r = restore_check(h, prompts, params, cold=cold.get(name),
+                              one_at_a_time=name in ONE_AT_A_TIME)
         except Exception as e:  # a crash is a result (reported, and a failed check)
             res[name] = {"passed": False, "error": f"{type(e).__name__}: {e}"}
             print(f"{args.arch} {name}: FAILED with {type(e).__name__}: {e}", flush=True)
@@ -310,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     for neg in args.negative:
         r = res[neg]
         failed = any(isinstance(r.get(n), dict) and r[n].get("passed") is False
-                     for n in ("long", "shared_batch"))
+                     for n in VERDICT)
         summary["negative"][neg] = {"check_failed": failed, "as_expected": failed,
                                     "long": r.get("long"), "error": r.get("error")}
     def verdict(key: str) -> bool:
         return all(isinstance(kv.get(n), dict) and kv[n].get(key) and kv[n].get("cold_checked")
-                   for n in ("long", "shared_batch"))
+                   for n in VERDICT)
 
     passed = verdict("passed")
     summary["passed"] = passed

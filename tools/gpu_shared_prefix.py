@@ -2,6 +2,10 @@
 
     python tools/gpu_shared_prefix.py --config kvtier --out $OUT/sp_kvtier.json
     (configs: hbm, big (HBM holding every prefix: 12,000 blocks), kvtier, native; --tp N)
+    --model kimi-linear | minimax-m3 | glm-dsa | deepseek-v32: a seed architecture at its
+    real hidden size, layer count and cache geometry, 8 experts (``MODELS``; the sparse seeds
+    with vLLM 0.25.1's fixes, kvtier.testing.vllm_fixes, and their engine core in-process)
+    --write-only: write the model folder and print the engine arguments (no engine)
 
 Default engine settings (CUDA graphs on); ``--enforce-eager`` turns them off, which changes
 every ratio (eager decode steps are several times slower).
@@ -16,10 +20,12 @@ prompt tokens served from cache and per-request greedy tokens (to compare config
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 import time
+from typing import Any
 
 from kvtier.bench.offline_engine import settings
 
@@ -33,10 +39,57 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 # holds 10 MLA blocks and, in ``align`` mode, one KDA block per group at each forward step's
 # end (chunked prefill of 8,192 tokens ends steps every 4 blocks): about 19 block ids; its
 # cached prefix keeps the 8 MLA blocks and the KDA states at the step ends.
+#
+# The sparse seeds (kvtier.testing.seed_models) at their real hidden size, layer count and
+# cache geometry, 8 experts: one KV-cache group each, a 17,440-token request (prefix, suffix,
+# output) holding 137 blocks of 128 (MiniMax-M3) or 273 of 64 (DSA). ``hbm`` holds about 2.4
+# requests as Llama's 2,600 blocks of 16 do (41,600 tokens), ``big`` 192,000 tokens as
+# Llama's 12,000 do. Bytes per block over every layer: M3 9.73 MB (60 fp8 K/V pages of
+# 131,072 B, 57 bf16 index pages of 32,768 B), GLM 3.93 MB (78 x (656 + 132) x 64 B), V3.2
+# 5.01 MB (61 x (1,152 + 132) x 64 B); dummy weights about 73, 80 and 73 GB.
+# ``max_num_seqs`` 16 as for Kimi-Linear: CUDA graphs for batches up to 32 only, a shorter
+# start-up.
+SPARSE_SEEDS = {"minimax-m3": "minimax_m3", "glm-dsa": "glm_moe_dsa",
+                "deepseek-v32": "deepseek_v32"}
 MODELS: dict[str, dict] = {
     "llama8b": {"hbm_blocks": 2600, "big_blocks": 12000},
     "kimi-linear": {"hbm_blocks": 48, "big_blocks": 400, "max_num_seqs": 16},
+    "minimax-m3": {"hbm_blocks": 330, "big_blocks": 1500, "max_num_seqs": 16,
+                   "layers": {"layers": 60, "dense_layers": 3}},
+    "glm-dsa": {"hbm_blocks": 650, "big_blocks": 3000, "max_num_seqs": 16,
+                "layers": {"layers": 78}},
+    "deepseek-v32": {"hbm_blocks": 650, "big_blocks": 3000, "max_num_seqs": 16,
+                     "layers": {"layers": 61}},
 }
+
+
+def engine_model(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """The ``LLM(...)`` arguments that choose the model (written to ``--model-dir``, with
+    its dtype, block size and the seed's engine arguments) and the prompt vocabulary."""
+    max_len = args.prefix_len + args.suffix_len + args.output_len + 256
+    if args.tiny:
+        from kvtier.testing.models import tiny_llama
+
+        return dict(model=tiny_llama(args.model_dir), dtype="float32", block_size=32), 900
+    if args.model == "kimi-linear":
+        from kvtier.testing.seed_models import VOCAB, kimi_linear
+
+        return dict(model=kimi_linear(args.model_dir + "-kimi", layers=27, max_len=max_len),
+                    dtype="bfloat16", gpu_memory_utilization=0.85), VOCAB - 200
+    if args.model in SPARSE_SEEDS:
+        from kvtier.testing.seed_models import SEED_MODELS, VOCAB
+
+        seed = SEED_MODELS[SPARSE_SEEDS[args.model]]
+        folder = seed.write(f"{args.model_dir}-{args.model}", max_len=max_len,
+                            **MODELS[args.model]["layers"])
+        # copied: vLLM writes into the dicts it is given (attention_config here)
+        return dict(model=folder, dtype="bfloat16", gpu_memory_utilization=0.85,
+                    **copy.deepcopy(seed.engine_args)), VOCAB - 200
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_restore_check import llama8b
+
+    return dict(model=llama8b(args.model_dir), dtype="bfloat16", block_size=16,
+                gpu_memory_utilization=0.85), 120000
 
 
 class PhaseWatch:
@@ -89,7 +142,8 @@ class PhaseWatch:
                 if self.steps else None}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with each model's defaults (``MODELS``) filled in."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=["hbm", "big", "kvtier", "native"], required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -99,70 +153,79 @@ def main() -> int:
     ap.add_argument("--suffix-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--hbm-blocks", type=int, default=None,
-                    help="HBM prefix-cache blocks (default 2,600; 12,000 for --config big)")
+                    help="HBM prefix-cache blocks (default: the model's, MODELS)")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     ap.add_argument("--dram-gib", type=int, default=48)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default="/tmp/llama8b-shape")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (CPU dry run)")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama8b",
-                    help="llama8b (default) or kimi-linear (27 layers, real hidden size)")
+                    help="llama8b (default), or a seed at its real hidden size and layer "
+                         "count: kimi-linear, minimax-m3, glm-dsa, deepseek-v32")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--verify-ab", type=int, default=0, metavar="N",
                     help="kvtier: N pairs of phases in this one process, verified restores "
                          "off then on (kvtier.testing.verify_switch), fresh prompts each")
     ap.add_argument("--kvtier-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a kvtier setting for the kvtier runs (repeatable; JSON values)")
-    args = ap.parse_args()
+    ap.add_argument("--write-only", action="store_true",
+                    help="write the model folder, print the engine arguments, stop")
+    args = ap.parse_args(argv)
     spec = MODELS[args.model]
     if args.hbm_blocks is None:
         args.hbm_blocks = spec["big_blocks"] if args.config == "big" else spec["hbm_blocks"]
     if args.max_num_seqs is None:
         args.max_num_seqs = spec.get("max_num_seqs")
+    return args
 
+
+def engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """Every ``LLM(...)`` argument of the run (the model's, the configuration's connector or
+    native offloading, the HBM budget) and the prompt vocabulary."""
+    from vllm.config import KVTransferConfig
+
+    kw, vocab = engine_model(args)
+    if args.config == "kvtier":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"dram_size": f"{args.dram_gib}GiB",
+                                       **settings(args.kvtier_config)})
+    elif args.config == "native":
+        kw["kv_offloading_size"] = float(args.dram_gib)
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    kw.update(load_format="dummy", skip_tokenizer_init=True, seed=0,
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
+              max_model_len=args.prefix_len + args.suffix_len + args.output_len + 256,
+              num_gpu_blocks_override=args.hbm_blocks, max_num_batched_tokens=8192,
+              enable_prefix_caching=True)
+    return kw, vocab
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.write_only:
+        kw, _ = engine_kwargs(args)
+        print(json.dumps(kw, default=str, sort_keys=True))
+        return 0
+    if args.model in SPARSE_SEEDS:
+        # kvtier.testing.vllm_fixes patches vLLM's classes in this process: they reach the
+        # worker only with the engine core (and its uni-process executor) in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kvtier.testing.triton_autotune import limit_autotune
 
     # GPU_TOOLS_AUTOTUNE_KEEP, before vLLM imports its Triton kernels; it reaches the
     # engine only when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     limit_autotune()
-    from gpu_restore_check import llama8b
+    from gpu_bare_run import apply_vllm_fixes
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
-    extra: dict = {}
-    if args.config == "kvtier":
-        extra["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"dram_size": f"{args.dram_gib}GiB",
-                                       **settings(args.kvtier_config)})
-    elif args.config == "native":
-        extra["kv_offloading_size"] = float(args.dram_gib)
-    if args.tiny:
-        from kvtier.testing.models import tiny_llama
-
-        model = dict(model=tiny_llama(args.model_dir), dtype="float32", block_size=32)
-        vocab = 900
-    elif args.model == "kimi-linear":
-        from kvtier.testing.seed_models import VOCAB, kimi_linear
-
-        max_len = args.prefix_len + args.suffix_len + args.output_len + 256
-        model = dict(model=kimi_linear(args.model_dir + "-kimi", layers=27, max_len=max_len),
-                     dtype="bfloat16", gpu_memory_utilization=0.85)
-        vocab = VOCAB - 200
-    else:
-        model = dict(model=llama8b(args.model_dir), dtype="bfloat16", block_size=16,
-                     gpu_memory_utilization=0.85)
-        vocab = 120000
-    if args.max_num_seqs:
-        model["max_num_seqs"] = args.max_num_seqs
+    fixes = apply_vllm_fixes()  # the 0.25.1 fixes (none on other versions), recorded below
+    kw, vocab = engine_kwargs(args)
     t0 = time.time()
-    llm = LLM(**model, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
-              max_model_len=args.prefix_len + args.suffix_len + args.output_len + 256,
-              num_gpu_blocks_override=args.hbm_blocks, max_num_batched_tokens=8192,
-              enable_prefix_caching=True, **extra)
+    llm = LLM(**kw)
     start_s = time.time() - t0
 
     def toks(n: int, seed: int) -> list[int]:
@@ -184,8 +247,9 @@ def main() -> int:
                             temperature=0.0)
     # warm-up on unrelated prompts (kernels, allocator), not timed; for the hybrid model as
     # long as the run's (its FLA kernels compile and autotune at first use of each shape)
+    # (and the sparse seeds: their Triton and DeepGEMM kernels compile at first use too)
     warm = ([toks(args.prefix_len + args.suffix_len, 7 + i) for i in range(2)]
-            if args.model == "kimi-linear" else [toks(512, 7)])
+            if args.model != "llama8b" and not args.tiny else [toks(512, 7)])
     llm.generate([{"prompt_token_ids": w} for w in warm], params, use_tqdm=False)
     llm.reset_prefix_cache()
     phases: list[dict] = []
@@ -226,6 +290,7 @@ def main() -> int:
         "config": args.config, "model": args.model, "tp": args.tp,
         "kvtier_config": settings(args.kvtier_config), "hbm_blocks": args.hbm_blocks,
         "enforce_eager": args.enforce_eager, "vllm": __import__("vllm").__version__,
+        "vllm_fixes": fixes,
         "engine_start_s": start_s, "wall_s": wall, "input_tokens": n_in,
         "input_tok_per_s": n_in / wall, "cached_prompt_tokens": cached,
         "repeated_prefix_tokens": args.prefix_len * args.prefixes * (args.per_prefix - 1),

@@ -48,6 +48,36 @@ def test_two_requests_sharing_a_prefix_in_one_batch(engine: Any) -> None:
     _check(engine, [shared + prompt(C + 7, seed=12), shared + prompt(C + 3, seed=13)])
 
 
+def test_two_requests_sharing_a_prefix_one_at_a_time(engine: Any) -> None:
+    """Each request restores the shared chunks on its own (its own reset and fill), and runs
+    B and C generate it alone: the form of the shared-prefix check that stays bit-equal where
+    kernels are not batch-invariant."""
+    shared = prompt(2 * C, seed=14)
+    prompts = [shared + prompt(C + 7, seed=15), shared + prompt(C + 3, seed=16)]
+    res = restore_check(engine, prompts, greedy(), one_at_a_time=True)
+    assert res.one_at_a_time and res.passed, res
+    assert res.restored_tokens == res.expected_restored == 2 * 3 * C
+    assert res.loads_ok >= 2 and res.loads_failed == 0  # one load per request at least
+    assert all(p.checksums_equal and p.tokens_equal and p.logprobs_equal for p in res.prompts)
+
+
+def test_one_at_a_time_fails_when_a_chunk_copy_is_skipped(engine: Any) -> None:
+    shared = prompt(2 * C, seed=17)
+    engine.faults.skip_load_chunk = 0
+    try:
+        res = restore_check(engine, [shared + prompt(C + 7, seed=18),
+                                     shared + prompt(C + 3, seed=19)], greedy(),
+                            one_at_a_time=True)
+    finally:
+        engine.faults.skip_load_chunk = -1
+        engine.llm.reset_prefix_cache()
+    assert res.restored_tokens == res.expected_restored  # the loads "succeeded"...
+    for p in res.prompts:  # ...but each request's blocks hold the fill pattern
+        assert not p.checksums_equal
+        assert not (p.tokens_equal and p.logprobs_equal), (p.tokens_b, p.tokens_c)
+    assert not res.passed
+
+
 def test_negative_control_a_skipped_chunk_copy_fails_the_check(engine: Any) -> None:
     """Proof that the check can fail: skip the copy of one chunk of the load."""
     engine.faults.skip_load_chunk = 0

@@ -51,16 +51,19 @@ class Generated:
             for step in data["logprobs"]))
 
 
-def cold_reference(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[Generated]:
+def cold_reference(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
+                   one_at_a_time: bool = False) -> list[Generated]:
     """Run D: generate ``prompts`` on ``llm``, an engine with the same weights as the checked
     one and prefix caching off (refused otherwise: a hit would not be a recompute), as one
     batch: pass the same prompt list the check gets, since vLLM is not batch-invariant (other
-    co-scheduled prefills change the last bits of logprobs; seen on 0.32's CPU build). Dummy
-    weights must be re-drawn first, as for the checked engine
+    co-scheduled prefills change the last bits of logprobs; seen on 0.32's CPU build), or,
+    ``one_at_a_time``, each prompt alone (for ``restore_check(..., one_at_a_time=True)``).
+    Dummy weights must be re-drawn first, as for the checked engine
     (:func:`kvtier.testing.restore.sharpen_dummy_weights` works on any LLM)."""
     config = llm.llm_engine.vllm_config
     if config.cache_config.enable_prefix_caching:
         raise ValueError("the cold reference needs an engine with enable_prefix_caching=False")
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                        use_tqdm=False)
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    outs = [o for batch in batches for o in llm.generate(
+        [{"prompt_token_ids": list(p)} for p in batch], params, use_tqdm=False)]
     return [Generated.of(o) for o in outs]

@@ -9,7 +9,10 @@ tensor overwritten with a fill pattern; run B repeats the prompts, so whatever i
 recompute came from kvtier. The check passes only if kvtier restored exactly the whole-chunk
 prefixes, run B's blocks (KV and state) hold run A's bytes, and run B's greedy tokens and
 top-k logprobs equal run C's bit for bit and, where a cold reference is given (run D: an
-engine with prefix caching off, see :mod:`kvtier.testing.reference`), run D's too.
+engine with prefix caching off, see :mod:`kvtier.testing.reference`), run D's too. With
+``one_at_a_time`` runs C and B generate each prompt alone, each B after its own reset and
+fill (prompts sharing a prefix each restore it): the form whose bit-equality means something
+where vLLM's kernels are not batch-invariant.
 
 How to call it (any vLLM version kvtier supports; in-process engine core)::
 
@@ -161,6 +164,7 @@ class RestoreResult:
     loads_ok: int
     loads_failed: int
     cold_checked: bool = False
+    one_at_a_time: bool = False  # runs C and B generated each prompt alone (restore_check)
 
     @property
     def passed(self) -> bool:
@@ -268,41 +272,37 @@ def _logprob_bits(g: Generated) -> tuple[tuple[tuple[int, bytes, int | None], ..
 
 
 def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
-                  cold: Sequence[Generated] | None = None) -> RestoreResult:
-    """Runs A, C, fill, B (module docstring); ``cold``: run D's outputs for ``prompts``."""
+                  cold: Sequence[Generated] | None = None,
+                  one_at_a_time: bool = False) -> RestoreResult:
+    """Runs A, C, fill, B (module docstring); ``cold``: run D's outputs for ``prompts``.
+
+    ``one_at_a_time``: runs C and B generate each prompt alone (A still computes them
+    together, from nothing), and before each prompt's run B the prefix cache is reset and
+    every tensor filled again, so each restores its whole-chunk prefix from kvtier on its own,
+    prompts sharing a prefix restoring the same chunks. B and C then run the same batch (one
+    request, the same computed tail), so bit-equality is meaningful where vLLM's kernels are
+    not batch-invariant: batched, B's requests leave their parked loads in other steps than
+    C's hits and are batched differently. ``cold`` must then be run D's one-at-a-time
+    outputs too."""
     if cold is not None and len(cold) != len(prompts):
         raise ValueError(f"{len(cold)} cold reference outputs for {len(prompts)} prompts")
     h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
     outs_a = generate(h, prompts, params)
     sums_a = [_checksums(h, p) for p in prompts]
-    outs_c = generate(h, prompts, params)  # vLLM's own prefix cache at the same boundary
-    from kvtier.testing.probe import rpc_fill
-
-    h.llm.reset_prefix_cache()
-    assert all(n > 0 for n in h.llm.collective_rpc(rpc_fill))
+    # C: vLLM's own prefix cache at the same boundary
+    outs_c = ([generate(h, [p], params)[0] for p in prompts] if one_at_a_time
+              else generate(h, prompts, params))
     stats = h.kvtier.stats
     before = (stats.loaded_tokens, stats.loads_ok, stats.loads_failed)
-    outs_b = generate(h, prompts, params)
-    sums_b = [_checksums(h, p) for p in prompts]
+    outs_b, sums_b = [], []
+    for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
+        _reset_and_fill(h)
+        outs_b += generate(h, group, params)
+        sums_b += [_checksums(h, p) for p in group]  # before the next fill overwrites them
     c = h.kvtier.geometry.chunk_tokens
-    results = []
-    for i, (p, a, b, oa, oc, ob) in enumerate(zip(prompts, sums_a, sums_b, outs_a, outs_c,
-                                                   outs_b)):
-        d = cold[i] if cold is not None else None
-        results.append(PromptResult(
-            prompt_len=len(p), expected_restored=(len(p) - 1) // c * c,
-            checksums_equal=_same_blocks(a, b),
-            tokens_equal=same_tokens(ob, oc),
-            logprobs_equal=same_logprobs(ob, oc),
-            tokens_equal_cold=None if d is None else same_tokens(ob, d),
-            logprobs_equal_cold=None if d is None else same_logprobs(ob, d),
-            hbm_hit_equal_cold=None if d is None else (same_tokens(oc, d)
-                                                       and same_logprobs(oc, d)),
-            tokens_equal_first=same_tokens(ob, oa), logprobs_equal_first=same_logprobs(ob, oa),
-            blocks_compared=_compared(h, a, b),
-            tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
-            nan_outputs=has_nan(ob) or has_nan(oc),
-        ))
+    results = [_compare(h, p, c, a, b, oa, oc, ob, cold[i] if cold is not None else None)
+               for i, (p, a, b, oa, oc, ob) in enumerate(zip(prompts, sums_a, sums_b, outs_a,
+                                                             outs_c, outs_b))]
     return RestoreResult(
         restored_tokens=stats.loaded_tokens - before[0],
         expected_restored=sum(r.expected_restored for r in results),
@@ -310,6 +310,36 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
         loads_ok=stats.loads_ok - before[1],
         loads_failed=stats.loads_failed - before[2],
         cold_checked=cold is not None,
+        one_at_a_time=one_at_a_time,
+    )
+
+
+def _reset_and_fill(h: EngineHandles) -> None:
+    """Nothing in HBM's prefix cache, and every registered tensor overwritten: what run B
+    does not recompute must come from kvtier."""
+    from kvtier.testing.probe import rpc_fill
+
+    h.llm.reset_prefix_cache()
+    assert all(n > 0 for n in h.llm.collective_rpc(rpc_fill))
+
+
+def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: Any, oc: Any,
+             ob: Any, d: Generated | None) -> PromptResult:
+    """One prompt's comparisons: B's blocks against A's, B's outputs against C's (and A's,
+    and the cold run D's where given)."""
+    return PromptResult(
+        prompt_len=len(p), expected_restored=(len(p) - 1) // chunk * chunk,
+        checksums_equal=_same_blocks(a, b),
+        tokens_equal=same_tokens(ob, oc),
+        logprobs_equal=same_logprobs(ob, oc),
+        tokens_equal_cold=None if d is None else same_tokens(ob, d),
+        logprobs_equal_cold=None if d is None else same_logprobs(ob, d),
+        hbm_hit_equal_cold=None if d is None else (same_tokens(oc, d)
+                                                   and same_logprobs(oc, d)),
+        tokens_equal_first=same_tokens(ob, oa), logprobs_equal_first=same_logprobs(ob, oa),
+        blocks_compared=_compared(h, a, b),
+        tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
+        nan_outputs=has_nan(ob) or has_nan(oc),
     )
 
 

@@ -173,7 +173,7 @@ def glm_moe_dsa(path: str, layers: int = 2, max_len: int = 8192) -> str:
     })
 
 
-def minimax_m3(path: str, max_len: int = 8192) -> str:
+def minimax_m3(path: str, max_len: int = 8192, layers: int = 4, dense_layers: int = 1) -> str:
     """``MiniMaxM3SparseForCausalLM`` (seed 003): dense K/V layers, sparse K/V layers and the
     sparse layers' index-key caches, fp8 KV and fp8 index cache as the seed ran.
 
@@ -183,9 +183,10 @@ def minimax_m3(path: str, max_len: int = 8192) -> str:
     rope_theta 5e6, sparse_index_dim 128, sparse_num_index_heads 4, sparse_topk_blocks 16,
     sparse_block_size 128, init/local blocks 0/1, intermediate 3072, dense intermediate 12288,
     4 experts per token, swigluoai. Written as the outer ``minimax_m3_vl`` config (vLLM has no
-    config class for a bare ``minimax_m3_text``), without vision. Reduced: 60 -> 4 layers
-    (real: layers 0-2 dense attention + dense MLP, 3-59 sparse attention + MoE; here layer 0
-    dense, 1-3 sparse), 128 -> 8 experts, vocab 200064 -> 4096, no MTP module.
+    config class for a bare ``minimax_m3_text``), without vision. Reduced: 60 -> ``layers``
+    layers, the first ``dense_layers`` of them dense attention + dense MLP and the rest sparse
+    attention + MoE (real: 60 and 3; default 4 and 1), 128 -> 8 experts, vocab 200064 ->
+    4096, no MTP module.
 
     Differs from the seed on Hopper: the index-key cache is bf16, (nb, bs, 128) at 256 B per
     token per sparse layer instead of the seed's fp8 128 B. 0.25.1 has two indexer impls
@@ -194,7 +195,9 @@ def minimax_m3(path: str, max_len: int = 8192) -> str:
     Triton (bf16 only) everywhere else. The dense and sparse K/V stay fp8 (per-tensor scales):
     the Triton main impl, the one on Hopper, dequantizes fp8 K/V itself.
     """
-    pattern = [0, 1, 1, 1]
+    if not 0 < dense_layers < layers:
+        raise ValueError(f"{dense_layers} dense layers of {layers}: M3 needs both kinds")
+    pattern = [0] * dense_layers + [1] * (layers - dense_layers)
     text = {
         "model_type": "minimax_m3_text", "architectures": ["MiniMaxM3SparseForCausalLM"],
         "vocab_size": VOCAB, "hidden_size": 6144, "intermediate_size": 3072,
