@@ -202,11 +202,27 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
               + "; against run A (this engine's first computation, tokens/logprobs): "
               + str([(p.tokens_equal_first, p.logprobs_equal_first) for p in r.prompts]),
               flush=True)
+    if not args.negative:  # a report beside the verdict: the same long check, zeros filled
+        res["long_fill_zero"] = fill_zero_check(h, args, params, cold.get("long"))
     res["kvtier_stats"] = {k: v for k, v in vars(h.kvtier.stats).items()
                            if isinstance(v, (int, float))}
     if "speculative_config" in SEED_MODELS[args.arch].engine_args:
         res["spec_decode"] = spec_decode_counters(llm)
     return res
+
+
+def fill_zero_check(h: Any, args: argparse.Namespace, params: Any, cold: Any) -> dict[str, Any]:
+    """The long check again with the fill byte 0 (not part of the verdict): where the check
+    with the usual fill fails while its checksums are equal and this one passes, the outputs
+    depended on bytes no restore writes (H200, 2026-12-01: DeepSeek-V3.2 past its top-k)."""
+    from kvtier.testing.restore import restore_check
+    from kvtier.testing.seed_models import VOCAB
+
+    long = prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB)["long"]
+    try:
+        return restore_check(h, long, params, cold=cold, fill_byte=0).to_json()
+    except Exception as e:  # a crash is a result
+        return {"passed": False, "error": f"{type(e).__name__}: {e}"}
 
 
 def spec_decode_counters(llm: Any) -> dict[str, Any]:

@@ -43,6 +43,22 @@ def test_restore_check(engine: Any, chunks: int) -> None:
     _check(engine, [prompt(chunks * C + 5, seed=chunks)])
 
 
+def test_a_zero_fill_restore_check_still_fails_on_a_skipped_chunk(engine: Any) -> None:
+    """The fill-zero form (``fill_byte=0``, the DSA report of tools/gpu_seed_check.py) passes
+    a correct restore and still catches a chunk kvtier did not copy: zeros are not the KV."""
+    res = restore_check(engine, [prompt(3 * C + 5, seed=21)], greedy(), fill_byte=0)
+    assert res.passed and res.restored_tokens == res.expected_restored == 3 * C, res
+    engine.faults.skip_load_chunk = 0
+    try:
+        bad = restore_check(engine, [prompt(3 * C + 5, seed=22)], greedy(), fill_byte=0)
+    finally:
+        engine.faults.skip_load_chunk = -1
+        engine.llm.reset_prefix_cache()
+    (p,) = bad.prompts
+    assert not bad.passed and not p.checksums_equal
+    assert not (p.tokens_equal and p.logprobs_equal), (p.tokens_b, p.tokens_c)
+
+
 def test_two_requests_sharing_a_prefix_in_one_batch(engine: Any) -> None:
     shared = prompt(2 * C, seed=11)
     _check(engine, [shared + prompt(C + 7, seed=12), shared + prompt(C + 3, seed=13)])

@@ -271,9 +271,14 @@ def _logprob_bits(g: Generated) -> tuple[tuple[tuple[int, bytes, int | None], ..
     return tuple(tuple((t, struct.pack("<d", v), r) for t, v, r in step) for step in g.logprobs)
 
 
+FILL_BYTE = 0x47
+"""The fill pattern's byte (:meth:`kvtier.testing.probe.ProbeConnector.fill_all`): large
+values in every float format, so a block kvtier did not restore changes the outputs."""
+
+
 def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
                   cold: Sequence[Generated] | None = None,
-                  one_at_a_time: bool = False) -> RestoreResult:
+                  one_at_a_time: bool = False, fill_byte: int = FILL_BYTE) -> RestoreResult:
     """Runs A, C, fill, B (module docstring); ``cold``: run D's outputs for ``prompts``.
 
     ``one_at_a_time``: runs C and B generate each prompt alone (A still computes them
@@ -283,7 +288,12 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     request, the same computed tail), so bit-equality is meaningful where vLLM's kernels are
     not batch-invariant: batched, B's requests leave their parked loads in other steps than
     C's hits and are batched differently. ``cold`` must then be run D's one-at-a-time
-    outputs too."""
+    outputs too.
+
+    ``fill_byte``: the fill's byte. ``0`` tells a restore error from outputs that depend on
+    bytes no restore writes (slots past a sequence's end in its last, partial block, which
+    hold the fill in B and earlier tokens in C): with zeros there, a kernel that reads them
+    before masking sees what an unused block holds, not 5.1e4."""
     if cold is not None and len(cold) != len(prompts):
         raise ValueError(f"{len(cold)} cold reference outputs for {len(prompts)} prompts")
     h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
@@ -296,7 +306,7 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     before = (stats.loaded_tokens, stats.loads_ok, stats.loads_failed)
     outs_b, sums_b = [], []
     for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
-        _reset_and_fill(h)
+        _reset_and_fill(h, fill_byte)
         outs_b += generate(h, group, params)
         sums_b += [_checksums(h, p) for p in group]  # before the next fill overwrites them
     c = h.kvtier.geometry.chunk_tokens
@@ -314,13 +324,13 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     )
 
 
-def _reset_and_fill(h: EngineHandles) -> None:
+def _reset_and_fill(h: EngineHandles, fill_byte: int = FILL_BYTE) -> None:
     """Nothing in HBM's prefix cache, and every registered tensor overwritten: what run B
     does not recompute must come from kvtier."""
     from kvtier.testing.probe import rpc_fill
 
     h.llm.reset_prefix_cache()
-    assert all(n > 0 for n in h.llm.collective_rpc(rpc_fill))
+    assert all(n > 0 for n in h.llm.collective_rpc(rpc_fill, args=(fill_byte,)))
 
 
 def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: Any, oc: Any,
