@@ -50,6 +50,7 @@ failed report makes vLLM recompute them before anything reads them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections import deque
@@ -159,13 +160,24 @@ class _GroupWork:
 class _Ring:
     """Offsets into a buffer of ``size`` bytes handed out round-robin. Whoever takes a range
     gets the events of the earlier users of any of its bytes, to wait for (on a stream for
-    device memory, on the host for the pinned id ring)."""
+    device memory, on the host for the pinned id ring).
+
+    The live users' ranges never overlap (a range taken drops every user it overlaps), so
+    they are kept sorted by address and a take finds the ones it overlaps by bisection: its
+    cost does not grow with the users still live (up to ``size / n`` of them: thousands for
+    the id ring between two wraps)."""
 
     def __init__(self, size: int, align: int) -> None:
         self.size = size
         self.align = align
         self.pos = 0
-        self.users: deque[tuple[int, int, Any]] = deque()
+        self._starts: list[int] = []  # the live users' ranges [start, end), sorted
+        self._ends: list[int] = []
+        self._events: list[Any] = []
+
+    def __len__(self) -> int:
+        """The users whose ranges no take has overlapped yet."""
+        return len(self._starts)
 
     def take(self, n: int) -> tuple[int, list[Any]]:
         if n > self.size:
@@ -174,17 +186,24 @@ class _Ring:
             self.pos = 0
         a, b = self.pos, self.pos + n
         self.pos = -(-b // self.align) * self.align
-        waits, keep = [], deque()
-        for user in self.users:
-            if user[0] < b and a < user[1]:
-                waits.append(user[2])
-            else:
-                keep.append(user)
-        self.users = keep
-        return a, waits
+        return a, self._drop(a, b)
 
     def give(self, a: int, n: int, event: Any) -> None:
-        self.users.append((a, a + n, event))
+        self._drop(a, a + n)  # taken already: nothing of it can still be live
+        i = bisect.bisect_left(self._starts, a)
+        self._starts.insert(i, a)
+        self._ends.insert(i, a + n)
+        self._events.insert(i, event)
+
+    def _drop(self, a: int, b: int) -> list[Any]:
+        """Forget the users overlapping [a, b); their events."""
+        i = bisect.bisect_right(self._ends, a)  # the first whose range ends after a
+        j = bisect.bisect_left(self._starts, b, lo=i)  # the first that starts at b or later
+        if i >= j:
+            return []
+        waits = self._events[i:j]
+        del self._starts[i:j], self._ends[i:j], self._events[i:j]
+        return waits
 
 
 class _IdUpload:
