@@ -135,7 +135,9 @@ class OffloadWorker:
         self.engine: TransferEngine = (
             engine_factory(self.mover) if engine_factory is not None
             else ThreadedTransferEngine(self.mover))
-        self._load_reqs: dict[int, tuple[str, list[int]]] = {}
+        # load and verify jobs in flight, by id: a failed load's blocks are read from its ops
+        # only when it fails (a restore's thousand block ids are not walked per load)
+        self._load_reqs: dict[int, Job] = {}
         self._reported_nowrite: list[Job] = []
         self._fences_waited = 0
         self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
@@ -167,12 +169,11 @@ class OffloadWorker:
         self.step = plan.step
         self.engine.tick()
         for job in plan.loads:
-            self._load_reqs[job.job_id] = (
-                job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
+            self._load_reqs[job.job_id] = job
             self._inflight[job.job_id] = self._collects
             self.engine.load(job)
         for job in plan.verifies:
-            self._load_reqs[job.job_id] = (job.req_id, [])
+            self._load_reqs[job.job_id] = job
             self._inflight[job.job_id] = self._collects
             self.engine.verify(job)
         for tier_plan in plan.tiers:
@@ -264,8 +265,8 @@ class OffloadWorker:
             rep.store_seconds += c.busy_seconds
             self.total_bytes_stored += c.nbytes
             return
-        req_id, blocks = self._load_reqs.pop(c.job_id)
-        ok = c.ok
+        job = self._load_reqs.pop(c.job_id)
+        req_id, ok = job.req_id, c.ok
         if c.kind == JobKind.VERIFY:
             rep.verifies[c.job_id] = [1, 0] if ok else [0, 1]
             return
@@ -276,7 +277,7 @@ class OffloadWorker:
         out.finished_loads.add(req_id)
         if not ok:
             out.failed_loads.add(req_id)
-            out.failed_blocks.update(blocks)
+            out.failed_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
 
     def _count_corrupt(self, c: Completion, rep: WorkerReport) -> None:
         """A job whose slots did not verify: counted, reported (the scheduler drops those
@@ -286,7 +287,8 @@ class OffloadWorker:
         rep.corrupt[c.job_id] = [(m.slot_class, m.slot) for m in c.corrupt]
         n = self.checksum_failures
         if n <= 20 or n % 100 == 0:
-            req_id = self._load_reqs.get(c.job_id, ("?", []))[0]
+            job = self._load_reqs.get(c.job_id)
+            req_id = job.req_id if job is not None else "?"
             what = "restoring" if c.kind == JobKind.LOAD else "verifying a hit of"
             then = ("the load fails and vLLM recomputes" if c.kind == JobKind.LOAD
                     else "the hit is not promised")
