@@ -5,12 +5,16 @@ the scheduler's :class:`WorkerReport` expects it, whatever the engine's notices 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
+
+import pytest
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
 from kvtier.protocol import Job, StepPlan, TransferOp, WorkerReport
 from kvtier.transfer import ChunkMover, Completion, ThreadedTransferEngine, TransferEngine
-from kvtier.worker import REQUERY_STEPS, OffloadWorker, StepResult
+from kvtier.worker import IDLE_WAIT_S, REQUERY_STEPS, OffloadWorker, StepResult
 
 
 class UnreliableNotices(TransferEngine):
@@ -171,4 +175,51 @@ def test_each_job_that_finished_ok_is_reported_with_its_bytes_and_seconds() -> N
     assert [(k, b) for k, b, _ in res.report.jobs] == [("load", res.report.bytes_loaded)]
     both = WorkerReport(jobs=[("save", 1, 0.5)]).add(res.report)
     assert [k for k, _, _ in both.jobs] == ["save", "load"]  # summed over ranks: all kept
+    worker.close()
+
+
+class GatedMover(ChunkMover):
+    """The real mover; a load's copies start once ``gate`` is set (a copy that takes a
+    while, of known length)."""
+
+    gate: threading.Event
+
+    def load_op(self, op: TransferOp) -> int:
+        self.gate.wait(5.0)
+        return super().load_op(op)
+
+
+def _gated_worker(kv: SmallKV) -> tuple[OffloadWorker, threading.Event]:
+    gate = threading.Event()
+
+    def engine(mover: ChunkMover) -> TransferEngine:
+        mover.__class__ = GatedMover
+        mover.gate = gate  # type: ignore[attr-defined]
+        return ThreadedTransferEngine(mover)
+
+    return make_worker(kv, engine, verify=False), gate
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_step_that_computes_nothing_waits_for_its_load(idle: bool) -> None:
+    """While every running request is parked (``StepPlan.idle``) the collect waits for the
+    load in flight (up to IDLE_WAIT_S) instead of returning at once: the engine loop stops
+    spinning through empty steps, which took the GIL from the CPU engine's copy thread (a
+    2,048-token restore took ~300 ms instead of ~20). A step that computes returns at once."""
+    worker, gate = _gated_worker(SmallKV(seed=6))
+    plan = StepPlan(1, loads=[Job(1, "r", [TransferOp(0, 0, [7, 8])])], idle=idle)
+    worker.begin_step(plan)
+    timer = threading.Timer(0.002, gate.set)  # the copy runs 2 ms after submission
+    timer.start()
+    t = time.perf_counter()
+    res = worker.collect()
+    took = time.perf_counter() - t
+    if idle:
+        assert res.finished_loads == {"r"} and took < IDLE_WAIT_S + 0.05
+    else:
+        assert res.report.empty() and took < 0.002
+        worker.drain()
+        assert worker.collect().finished_loads == {"r"}
+    assert worker.collect().report.empty()  # once; a second collect does not wait
+    timer.join()
     worker.close()

@@ -21,6 +21,7 @@ request's slots in place and writes nothing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -125,6 +126,12 @@ class TransferEngine(ABC):
     def tick(self) -> None:  # noqa: B027 - optional hook
         """One engine step began."""
 
+    def wait(self, timeout: float) -> None:  # noqa: B027 - optional hook
+        """Block up to ``timeout`` seconds, until a submitted job finished (at once when
+        none is in flight). Engines whose copies need the host's Python (the CPU engine's
+        thread) implement it, so that an engine loop with nothing to compute lets them run
+        instead of polling them; engines whose copies run on a device keep this default."""
+
     @abstractmethod
     def drain(self) -> None:
         """Block until every submitted copy finished (shutdown, tests); completions are
@@ -166,6 +173,9 @@ class EngineWrapper(TransferEngine):
 
     def tick(self) -> None:
         self.inner.tick()
+
+    def wait(self, timeout: float) -> None:
+        self.inner.wait(timeout)
 
     def drain(self) -> None:
         self.inner.drain()
@@ -388,6 +398,11 @@ class ThreadedTransferEngine(TransferEngine):
 
     def pending(self) -> int:
         return len(self._running)
+
+    def wait(self, timeout: float) -> None:
+        futures = [fut for _, fut in self._running.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def drain(self) -> None:
         """Wait for everything submitted (shutdown and tests)."""

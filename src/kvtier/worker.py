@@ -46,6 +46,13 @@ PROMOTION_WAIT_S = 0.002
 """Longest a collect waits for a disk promotion in flight (:meth:`TierRunner.wait_promotions`):
 only while one is, i.e. while a lookup defers for it."""
 
+IDLE_WAIT_S = 0.01
+"""Longest a collect waits for a job in flight in a step where nothing computes
+(:attr:`~kvtier.protocol.StepPlan.idle`: every running request is parked for a load). The
+engine loop would otherwise spin through empty steps, and on the CPU engine each spin takes
+the GIL from the copy thread: a parked 2,048-token restore took ~300 ms instead of ~20. A
+request arriving meanwhile waits at most this long to be scheduled."""
+
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
 
@@ -135,7 +142,9 @@ class OffloadWorker:
         self.engine: TransferEngine = (
             engine_factory(self.mover) if engine_factory is not None
             else ThreadedTransferEngine(self.mover))
-        self._load_reqs: dict[int, tuple[str, list[int]]] = {}
+        # load and verify jobs in flight, by id: a failed load's blocks are read from its ops
+        # only when it fails (a restore's thousand block ids are not walked per load)
+        self._load_reqs: dict[int, Job] = {}
         self._reported_nowrite: list[Job] = []
         self._fences_waited = 0
         self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
@@ -148,6 +157,7 @@ class OffloadWorker:
         self.total_bytes_stored = 0
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
+        self._idle = False  # the step begun last computes nothing (StepPlan.idle)
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
@@ -165,14 +175,14 @@ class OffloadWorker:
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward (after :meth:`fence`): start this step's loads."""
         self.step = plan.step
+        self._idle = plan.idle
         self.engine.tick()
         for job in plan.loads:
-            self._load_reqs[job.job_id] = (
-                job.req_id, sorted({b for op in job.ops for b in op.block_ids if b >= 0}))
+            self._load_reqs[job.job_id] = job
             self._inflight[job.job_id] = self._collects
             self.engine.load(job)
         for job in plan.verifies:
-            self._load_reqs[job.job_id] = (job.req_id, [])
+            self._load_reqs[job.job_id] = job
             self._inflight[job.job_id] = self._collects
             self.engine.verify(job)
         for tier_plan in plan.tiers:
@@ -222,6 +232,9 @@ class OffloadWorker:
             rep.saves[job.job_id] = [1, 0]
         self._reported_nowrite = []
         self._collects += 1
+        if self._idle and self._inflight:
+            self._idle = False  # once per step: a second collect returns at once
+            self.engine.wait(IDLE_WAIT_S)
         for c in self.engine.poll():
             self._take(c, out)
         stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]
@@ -264,8 +277,8 @@ class OffloadWorker:
             rep.store_seconds += c.busy_seconds
             self.total_bytes_stored += c.nbytes
             return
-        req_id, blocks = self._load_reqs.pop(c.job_id)
-        ok = c.ok
+        job = self._load_reqs.pop(c.job_id)
+        req_id, ok = job.req_id, c.ok
         if c.kind == JobKind.VERIFY:
             rep.verifies[c.job_id] = [1, 0] if ok else [0, 1]
             return
@@ -276,7 +289,7 @@ class OffloadWorker:
         out.finished_loads.add(req_id)
         if not ok:
             out.failed_loads.add(req_id)
-            out.failed_blocks.update(blocks)
+            out.failed_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
 
     def _count_corrupt(self, c: Completion, rep: WorkerReport) -> None:
         """A job whose slots did not verify: counted, reported (the scheduler drops those
@@ -286,7 +299,8 @@ class OffloadWorker:
         rep.corrupt[c.job_id] = [(m.slot_class, m.slot) for m in c.corrupt]
         n = self.checksum_failures
         if n <= 20 or n % 100 == 0:
-            req_id = self._load_reqs.get(c.job_id, ("?", []))[0]
+            job = self._load_reqs.get(c.job_id)
+            req_id = job.req_id if job is not None else "?"
             what = "restoring" if c.kind == JobKind.LOAD else "verifying a hit of"
             then = ("the load fails and vLLM recomputes" if c.kind == JobKind.LOAD
                     else "the hit is not promised")
