@@ -73,6 +73,11 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
         f = fields[name]
         if f.annotation is bool:
             p.add_argument(flag, action="store_true", default=None, help=f.description)
+        elif name == "remote_size":
+            p.add_argument(flag, default=None,
+                           help="bytes of the remote tier the store counts on, all namespaces "
+                           "together (each gets its arena's share), with a unit (default "
+                           f"{format_bytes(f.default)})")
         else:
             p.add_argument(flag, default=None,
                            help=f"{f.description} (the engine setting {name}; default "
@@ -82,6 +87,8 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
 def open_remote(args: argparse.Namespace) -> StoreRemote | None:
     """The store's remote tier of ``--remote-url`` and the remote flags (ConfigError), or
     None."""
+    from pydantic import ValidationError
+
     from kvtier.store.remote import SETTINGS, StoreRemote
 
     given = {n: getattr(args, n, None) for n in SETTINGS}
@@ -92,8 +99,10 @@ def open_remote(args: argparse.Namespace) -> StoreRemote | None:
         return None
     try:
         return StoreRemote(given)
-    except ValueError as e:  # pydantic's text names the engine's settings: say which flags
-        raise ConfigError(f"the store's remote tier (--remote-*): {e}") from None
+    except ValidationError as e:  # one line, naming the flags
+        why = "; ".join(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: "
+                        f"{err['msg']}" if err["loc"] else err["msg"] for err in e.errors())
+        raise ConfigError(f"the store's remote tier: {why}") from None
 
 
 def open_tiers(args: argparse.Namespace) -> StoreTiers | None:
