@@ -66,17 +66,22 @@ class StoreEntry(Entry):
 
 
 def attach_spec(namespace: bytes, specs: Sequence[GroupIndexSpec], layout: SlabLayout,
-                geometry: Geometry | None = None) -> dict[str, Any]:
+                geometry: Geometry | None = None,
+                checksums: list[list[object]] | None = None) -> dict[str, Any]:
     """What an engine attaches with: its namespace, its slab layout (the arena's size, slot
     counts, and where slots and checksum tables lie) and its groups' index specs (the
     scheduler's, see :func:`geometry_specs`); ``geometry``: what the store's disk tier needs
-    to find a namespace's hits (without it the namespace gets no disk tier)."""
+    to find a namespace's hits (without it the namespace gets no disk tier); ``checksums``
+    (a worker with ``verify_checksums``: :func:`kvtier.transfer.checksum_spec`): how its slots
+    are checksummed, so the store checks each slot before writing it to a tier."""
     spec = {"namespace": namespace, "arena_bytes": layout.total_bytes,
             "slots": [c.num_slots for c in layout.classes],
             "groups": [[s.slot_class, s.chained, s.boundary_state] for s in specs],
             "layout": encode_layout(layout)}
     if geometry is not None:
         spec["geometry"] = encode_geometry(geometry)
+    if checksums is not None:
+        spec["checksums"] = checksums
     return spec
 
 

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.checksum import block_sums, key_seed, mismatched_blocks, shard_seed
 from kvtier.config import KvtierConfig, format_bytes
 from kvtier.geometry import Geometry
 from kvtier.index.base import Entry
@@ -74,7 +75,14 @@ from kvtier.tiers.directory import DirectoryLock, check_disk_path, scan
 from kvtier.tiers.disk import DiskChunkStore, file_bytes, namespace_dir
 from kvtier.tiers.remote_directory import RemoteDirectory
 from kvtier.tiers.schedule import LowerTier
-from kvtier.tiers.seam import ChunkStore, TierJobKind, TierOp, TierReport, TierRunner
+from kvtier.tiers.seam import (
+    ChunkCorrupt,
+    ChunkStore,
+    TierJobKind,
+    TierOp,
+    TierReport,
+    TierRunner,
+)
 from kvtier.tiers.stack import TierStack
 
 if TYPE_CHECKING:
@@ -197,10 +205,13 @@ class SpaceTier:
         self.stack = TierStack(
             lowers, index, allocator, list(geometry.slot_classes), geometry, config, estimates,
             layout.num_shards, itertools.count(1), self._landed)
+        self.checks: list[tuple[list[int] | None, int, int]] | None = None  # verify_with
+        self.shard_views = [self._views(pool, arena.offset, s) for s in range(layout.num_shards)]
         self.runners: dict[str, list[ArenaTierRunner]] = {
-            t.name: [ArenaTierRunner(make(namespace, shard), self._views(pool, arena.offset, shard),
+            t.name: [ArenaTierRunner(make(namespace, shard), self.shard_views[shard],
                                      max_jobs=tiers.max_pending_chunks + 64,
-                                     name=f"store-{t.name}")
+                                     name=f"store-{t.name}",
+                                     check_demoted=functools.partial(self._check_slot, shard))
                      for shard in range(layout.num_shards)]
             for t, make in zip(lowers, stores)}
         self.saves = 0  # chunks reserved in the arena since the last round
@@ -225,6 +236,34 @@ class SpaceTier:
                     time.perf_counter() - t0)
         return LowerTier("disk", str(root), self.namespace, catalog, TierCost(1.0, 0.0),
                          self.chunk_bytes)
+
+    # -- a slot checked before a tier gets it ------------------------------------------------
+    def verify_with(self, raw: Sequence[Sequence[object]]) -> None:
+        """The namespace's workers store checksums (``verify_checksums``; ``raw``:
+        :func:`kvtier.transfer.checksum_spec`): from now on each slot is checked against its
+        row before a tier gets it."""
+        if self.checks is None:
+            self.checks = [(None if runs is None else [int(r) for r in runs],  # type: ignore[union-attr]
+                            int(bpc), int(whole)) for runs, bpc, whole in raw]  # type: ignore[call-overload]
+            logger.info("kvtier store: a namespace's slots are checked before a tier gets them")
+
+    def _check_slot(self, shard: int, op: TierOp) -> None:
+        """On a tier's I/O thread, before a demotion or write-through reads the slot: its
+        bytes must match the checksums its save stored (ChunkCorrupt: not written, and the
+        pool drops it with what hangs below it)."""
+        checks = self.checks
+        if checks is None:
+            return
+        runs, bpc, whole = checks[op.group]
+        slot, row = self.shard_views[shard](op.group, op.slot)
+        sums = block_sums(slot[:whole] if runs is None else slot[: sum(runs) * bpc], runs,
+                          1 if runs is None else bpc)
+        stored = row.numpy().view(np.int64).tolist()
+        seed = shard_seed(key_seed(op.key), op.group, shard)
+        bad = mismatched_blocks(stored, sums, seed, [0] if runs is None else range(len(sums)))
+        if bad:
+            raise ChunkCorrupt(f"the pool's copy does not match its checksums (shard {shard}, "
+                               f"block positions {bad})")
 
     @property
     def names(self) -> list[str]:
