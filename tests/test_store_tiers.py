@@ -216,3 +216,28 @@ def test_a_slot_corrupted_in_the_pool_is_never_demoted_as_good(
         loop.sched.check_drained()
     finally:
         loop.close()
+
+
+def test_a_graceful_stop_writes_what_the_pool_holds_to_the_disk(tmp_path: Path,
+                                                               disk: Path) -> None:
+    store = StoreProcess(tmp_path, size=POOL, disk=(disk, DISK)).start()
+    a = prompt(5)
+    try:
+        loop = StoreLoop(store_config(store_url=store.url))
+        loop.prefill("a", a)
+        assert all(_in_dram(loop, k) for k in loop.keys(a)[:3])
+        assert loop.disk_stats()["stored"][0] == 0  # type: ignore[index]  # only in the pool
+        loop.close()
+    finally:
+        store.stop()  # SIGTERM: the store writes its pool back before it exits
+    store = StoreProcess(tmp_path, size=POOL, disk=(disk, DISK)).start()
+    try:
+        loop = StoreLoop(store_config(store_url=store.url))
+        try:
+            assert loop.disk_stats()["stored"][0] >= 3  # type: ignore[index]
+            n, deferred, same = loop.restore("a2", a)
+            assert (n, same, deferred >= 1) == (96, True, True)
+        finally:
+            loop.close()
+    finally:
+        store.stop()

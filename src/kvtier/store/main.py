@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(e.g. 500GiB); each namespace gets its arena's share of the pool")
     p.add_argument("--disk-max-pending-chunks", type=int, default=256,
                    help="chunks in flight to or from each tier (disk, remote) per namespace")
+    p.add_argument("--stop-write-back-s", type=float, default=30.0,
+                   help="at SIGTERM/SIGINT, seconds the store may spend writing what its pool "
+                   "holds and its disk lacks to the disk (and finishing the remote tier's "
+                   "write-through) before it exits, so a restarted store finds it; 0: none "
+                   "(a second signal, or SIGKILL, ends it at once)")
     add_remote_arguments(p)
 
 
@@ -151,8 +156,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier store: {e}", file=sys.stderr)
         return 2
 
+    stopping = threading.Event()
+
     def stop(_sig: int, _frame: FrameType | None) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        if stopping.is_set():  # a second signal: no more write-back
+            os._exit(0)
+        stopping.set()
+        threading.Thread(target=server.shutdown, args=(args.stop_write_back_s,),
+                         daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -160,4 +171,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvtier store ready on {SCHEME}{path} (pool {format_bytes(size)} reserved in "
           f"{reserve_s:.3f}s{where})", flush=True)
     server.serve_forever()
+    server.stopped.wait(args.stop_write_back_s + 30)  # the write-back, the tiers' last I/O
     return 0

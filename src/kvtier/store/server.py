@@ -94,6 +94,7 @@ class StoreServer:
         self.released = {"writes": 0, "pins": 0, "leases": 0, "expired": 0}
         self.clients: set[ClientHolds] = set()
         self._stop = threading.Event()
+        self.stopped = threading.Event()  # shutdown finished (write-back, tiers closed)
         self._pool_view: Any = None  # the store's own mapping of the pool (tier I/O)
         self.failed_requests = 0
         if tiers is not None:
@@ -122,13 +123,18 @@ class StoreServer:
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, write_back_s: float = 0.0) -> None:
+        """Stop: no new connection; with a disk tier, up to ``write_back_s`` seconds writing
+        what the pool holds and the disk lacks to the disk (and finishing the remote tier's
+        write-through), so a restarted store finds it; then the tiers close."""
         self._stop.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        if write_back_s > 0:
+            self._write_back(time.monotonic() + write_back_s)
         with self.lock:
             for space in self.spaces.values():
                 if space.tier is not None:
@@ -136,6 +142,24 @@ class StoreServer:
                     space.tier = None
         if self.tiers is not None:
             self.tiers.close()
+        self.stopped.set()
+
+    def _write_back(self, deadline: float) -> None:
+        from kvtier.store.tiers import TICK_S
+
+        t0, left = time.monotonic(), True
+        while left and time.monotonic() < deadline:
+            with self.lock:
+                left = False
+                for space in self.spaces.values():
+                    if space.tier is not None:
+                        left = space.tier.write_back() or left
+            time.sleep(TICK_S)
+        written = {ns.hex()[:8]: s.tier.stats().get("disk", {}).get("demotions")
+                   for ns, s in self.spaces.items() if s.tier is not None}
+        logger.info("kvtier store: write-back at stop %s in %.1fs (disk demotions per "
+                    "namespace: %s)", "cut short" if left else "done",
+                    time.monotonic() - t0, written)
 
     def _tiers(self) -> None:
         from kvtier.store.tiers import TICK_S

@@ -304,6 +304,15 @@ class SpaceTier:
                 for r in self.runners[plan.name]:
                     r.submit(job)
 
+    def write_back(self) -> bool:
+        """One round of a graceful stop's write-back: every chunk of the pool the disk lacks
+        goes to the disk (what is pinned stays), and the remote tier's write-through is
+        finished; whether anything is left (call again after a moment)."""
+        disk = self.stack.named("disk")
+        left = disk.plan_write_back() if disk is not None else False
+        self.tick()
+        return left or self.stack.has_pending_work()
+
     def _burst(self, now: float) -> int:
         bucket = int(now / BURST_BUCKET_S)
         if not self._buckets or self._buckets[-1][0] != bucket:
