@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -122,6 +123,12 @@ class TransferEngine(ABC):
     @abstractmethod
     def pending(self) -> int: ...
 
+    def wait_loads(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """While a load is in flight and none has finished, give the copies up to
+        ``timeout_s`` (an engine whose request waits for the load spins through empty steps;
+        on the host those steps hold the GIL the copying thread needs). Engines whose copies
+        need no Python thread keep this default (return at once)."""
+
     def tick(self) -> None:  # noqa: B027 - optional hook
         """One engine step began."""
 
@@ -163,6 +170,9 @@ class EngineWrapper(TransferEngine):
 
     def pending(self) -> int:
         return self.inner.pending()
+
+    def wait_loads(self, timeout_s: float) -> None:
+        self.inner.wait_loads(timeout_s)
 
     def tick(self) -> None:
         self.inner.tick()
@@ -401,6 +411,13 @@ class ThreadedTransferEngine(TransferEngine):
 
     def pending(self) -> int:
         return len(self._running)
+
+    def wait_loads(self, timeout_s: float) -> None:
+        """Block (GIL released) until a load finishes, at most ``timeout_s``; at once when
+        none is in flight or one finished already (its completion is due)."""
+        loads = [f for kind, f in self._running.values() if kind is JobKind.LOAD]
+        if loads and not any(f.done() for f in loads):
+            futures.wait(loads, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
 
     def drain(self) -> None:
         """Wait for everything submitted (shutdown and tests)."""
