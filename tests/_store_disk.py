@@ -23,6 +23,7 @@ from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
 from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
 from kvtier.store.promotions import store_lower
+from kvtier.transfer import checksum_spec
 from kvtier.worker import OffloadWorker
 
 
@@ -44,9 +45,10 @@ class StoreRank(Rank):
         geo, slab_layout = probe.geometry, probe.slab_layout
         probe.close()
         assert cfg.store_url is not None
+        sums = checksum_spec(layout, geo) if cfg.verify_checksums else None  # as the connector
         self.mapping = StoreMapping(StoreClient(cfg.store_url),
                                     attach_spec(namespace, geometry_specs(geo), slab_layout,
-                                                geo))
+                                                geo, sums))
         self.worker = OffloadWorker(cfg, layout, CHUNK, rank=rank, world_size=world,
                                     slab_factory=self.mapping.slab)
 

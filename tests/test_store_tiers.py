@@ -13,6 +13,7 @@ from _store_disk import StoreLoop, store_config, wait_for
 from kvtier.store.client import StoreClient, StoreRefused
 from kvtier.store.promotions import STATS_MAX_AGE_S
 from kvtier.store.tiers import TICK_S, record_bytes
+from kvtier.testing.corruption import flip_stored_byte
 from kvtier.testing.store_process import StoreProcess
 from kvtier.tiers.disk import chunk_name, file_bytes, namespace_dir
 from kvtier.vllm.counters import scheduler_counts
@@ -183,3 +184,60 @@ def test_the_stores_disk_directory_is_its_own(store: StoreProcess, disk: Path,
         assert c.call("promote", keys=[b"k" * 16], num_tokens=64, hbm_tokens=0) is None
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_slot_corrupted_in_the_pool_is_never_demoted_as_good(
+        store: StoreProcess, verify: bool) -> None:
+    # with verify_checksums the workers tell the store how slots are checksummed: it checks
+    # each slot before the disk gets it (without, it cannot: the row is not written)
+    loop = StoreLoop(store_config(store_url=store.url, verify_checksums=verify))
+    try:
+        a = prompt(4)
+        loop.prefill("a", a)
+        keys = loop.keys(a)
+        e = loop.index.get(0, keys[1])
+        assert e is not None
+        flip_stored_byte(loop.ranks[0].worker, loop.sched.slot_class[0], e.slot, offset=33)
+        seed = 100
+        while _in_dram(loop, keys[0]):  # push the prompt's chunks out of the pool
+            assert seed < 140, "the store never demoted the prompt"
+            loop.prefill(f"fill{seed}", prompt(seed))
+            seed += 1
+            time.sleep(4 * TICK_S)
+            wait_for(lambda: loop.disk_stats()["in_flight"] == 0, timeout=10)
+        stats = loop.disk_stats()
+        if verify:
+            assert stats["demotions_corrupt"] == 1
+            n, _, same = loop.restore("a2", a)
+            assert same and n == 32  # chunk 0 from disk; the flipped chunk never restored
+        else:
+            assert stats["demotions_corrupt"] == 0  # nothing to check against
+        loop.sched.check_drained()
+    finally:
+        loop.close()
+
+
+def test_a_graceful_stop_writes_what_the_pool_holds_to_the_disk(tmp_path: Path,
+                                                               disk: Path) -> None:
+    store = StoreProcess(tmp_path, size=POOL, disk=(disk, DISK)).start()
+    a = prompt(5)
+    try:
+        loop = StoreLoop(store_config(store_url=store.url))
+        loop.prefill("a", a)
+        assert all(_in_dram(loop, k) for k in loop.keys(a)[:3])
+        assert loop.disk_stats()["stored"][0] == 0  # type: ignore[index]  # only in the pool
+        loop.close()
+    finally:
+        store.stop()  # SIGTERM: the store writes its pool back before it exits
+    store = StoreProcess(tmp_path, size=POOL, disk=(disk, DISK)).start()
+    try:
+        loop = StoreLoop(store_config(store_url=store.url))
+        try:
+            assert loop.disk_stats()["stored"][0] >= 3  # type: ignore[index]
+            n, deferred, same = loop.restore("a2", a)
+            assert (n, same, deferred >= 1) == (96, True, True)
+        finally:
+            loop.close()
+    finally:
+        store.stop()

@@ -4,6 +4,7 @@ slab slots bit for bit, SKIP positions are left alone, a copy that raises is a f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
 from kvtier.protocol import SKIP, Job, TransferOp
 from kvtier.transfer import Completion, ThreadedTransferEngine
-from kvtier.worker import OffloadWorker
+from kvtier.worker import IDLE_WAIT_S, OffloadWorker
 
 
 @pytest.fixture
@@ -94,3 +95,39 @@ def test_a_fence_waits_for_the_saves_it_names(kv: SmallKV,
     assert set(range(4)) <= set(done) and all(c.ok for c in done.values())
     done.update(run(engine))
     assert sorted(done) == list(range(8))
+
+
+def test_the_cpu_engine_wait_gives_a_load_in_flight_the_gil_until_it_finishes(
+        kv: SmallKV) -> None:
+    """An engine whose request waits for a load spins through empty steps, each a collect:
+    on the host those steps held the GIL the copying thread needed (a 3-chunk restore took
+    270 ms of copying instead of 12, tools/ttft_load_wait_cpu.py). An idle step's collect
+    now first waits (GIL released) up to ``idle_wait_s`` in :meth:`TransferEngine.wait`: the
+    load's completion is there for the poll that follows. The copy here is slowed (its
+    thread sleeps), so a poll without the wait finds it still running."""
+    worker = OffloadWorker(CONFIG, kv.layout, CHUNK_TOKENS)
+    engine = ThreadedTransferEngine(worker.mover)
+    try:
+        assert worker.idle_wait_s == IDLE_WAIT_S > 0  # an idle step's collect waits
+        real_load = worker.mover.load_op
+
+        def slow_load(op: TransferOp) -> int:
+            time.sleep(0.05)
+            return real_load(op)
+
+        engine.save(Job(1, "r", [TransferOp(0, 0, [3, 4])], chunk=0))
+        engine.drain()
+        assert [c.ok for c in engine.poll()] == [True]
+        worker.mover.load_op = slow_load  # type: ignore[method-assign]
+        engine.load(Job(2, "r", [TransferOp(0, 0, [12, 13])]))
+        assert engine.poll() == []  # without the wait: still copying
+        t0 = time.perf_counter()
+        engine.wait(1.0)
+        (c,) = engine.poll()
+        assert c.ok and c.job_id == 2 and time.perf_counter() - t0 < 0.9  # it, not the bound
+        t0 = time.perf_counter()
+        engine.wait(1.0)  # nothing in flight: returns at once
+        assert time.perf_counter() - t0 < 0.05
+    finally:
+        engine.close()
+        worker.close()

@@ -282,6 +282,19 @@ class ChunkMover:
         return checksum.block_sums(slot[: sum(runs) * bpc], runs, bpc)
 
 
+def checksum_spec(layout: Layout, geometry: Geometry) -> list[list[object]]:
+    """How a slot of each group is checksummed, as plain values (what a worker attaching to
+    the node-wide store sends, so the store can check a slot before writing it to a tier):
+    per group ``[runs or None, blocks per chunk, bytes checksummed when runs is None]``."""
+    out: list[list[object]] = []
+    for g in range(len(geometry.groups)):
+        bpc = geometry.blocks_per_chunk(g)
+        runs = _checksum_runs(layout.groups[g], bpc)
+        whole = -(-codec.chunk_bytes(layout.groups[g], bpc) // 8) * 8
+        out.append([runs, bpc, whole])
+    return out
+
+
 def _checksum_runs(group: GroupLayout, bpc: int) -> list[int] | None:
     """The runs a chunk of ``group`` is checksummed by, one checksum per block position; None
     where a run is not whole 8-byte words (then the whole chunk, rounded up to a word inside

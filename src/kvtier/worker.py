@@ -149,6 +149,7 @@ class OffloadWorker:
         self._fences_waited = 0
         self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
         self._collects = 0
+        self.idle_wait_s = IDLE_WAIT_S  # 0: an idle step's collect never waits (measurements)
         self.duplicate_completions = 0  # completions of jobs already reported (dropped)
         self.requeried = 0  # completions found by query() after their notice went missing
         self.total_fences_waited = 0  # fences that found their save still pending, ever
@@ -234,7 +235,8 @@ class OffloadWorker:
         self._collects += 1
         if self._idle and self._inflight:
             self._idle = False  # once per step: a second collect returns at once
-            self.engine.wait(IDLE_WAIT_S)
+            if self.idle_wait_s > 0:
+                self.engine.wait(self.idle_wait_s)
         for c in self.engine.poll():
             self._take(c, out)
         stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]

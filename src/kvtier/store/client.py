@@ -35,6 +35,15 @@ class StoreRefused(RuntimeError):
         super().__init__(f"{kind}: {msg}")
         self.kind = kind
 
+    @property
+    def failed(self) -> bool:
+        """The request failed in the store (a bug, a bad request), not a refusal of the
+        index's contract (:data:`kvtier.store.server.FAILED`)."""
+        return self.kind == FAILED
+
+
+FAILED = "StoreFailed"
+
 
 def socket_path(store_url: str) -> str:
     """The socket path of a ``unix:///abs/path`` URL (validated by the config)."""
@@ -52,7 +61,9 @@ class Attachment:
     arena_offset: int
     arena_bytes: int
     lease_ttl: float
-    lower: bool = False  # the store has a disk tier for this namespace (kvtier.store.tiers)
+    lower: bool = False  # the store has tiers below the pool for this namespace
+    tiers: tuple[str, ...] = ()  # their names, top first ("disk", "remote")
+    discovers: bool = False  # a tier finds out what it holds by asking (the remote server)
 
 
 class StoreClient:
@@ -90,7 +101,9 @@ class StoreClient:
             os.close(extra)
         return Attachment(fds[0], int(reply["pool_bytes"]), int(reply["arena_offset"]),
                           int(reply["arena_bytes"]), float(reply["lease_ttl"]),
-                          bool(reply.get("lower", False)))
+                          bool(reply.get("lower", False)),
+                          tuple(reply.get("tiers") or (("disk",) if reply.get("lower") else ())),
+                          bool(reply.get("discovers", False)))
 
     def call(self, op: str, **args: Any) -> Any:
         """``op``'s answer; ``pre``: requests run first whose answers nobody waits for

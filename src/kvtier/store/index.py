@@ -50,6 +50,12 @@ _READS = frozenset({"view", "is_ready", "match", "get", "stats", "check", "flush
                     "stored_or_writing"})
 
 
+class StoreOpFailed(StoreDown):
+    """A request failed in the store (it answered an error, the connection stays): every
+    caller answers as it does while the store is down (a miss, a dropped save, a failed
+    commit), without dropping the connection."""
+
+
 class StoreEntry(Entry):
     __slots__ = ("epoch", "handle")
 
@@ -60,17 +66,22 @@ class StoreEntry(Entry):
 
 
 def attach_spec(namespace: bytes, specs: Sequence[GroupIndexSpec], layout: SlabLayout,
-                geometry: Geometry | None = None) -> dict[str, Any]:
+                geometry: Geometry | None = None,
+                checksums: list[list[object]] | None = None) -> dict[str, Any]:
     """What an engine attaches with: its namespace, its slab layout (the arena's size, slot
     counts, and where slots and checksum tables lie) and its groups' index specs (the
     scheduler's, see :func:`geometry_specs`); ``geometry``: what the store's disk tier needs
-    to find a namespace's hits (without it the namespace gets no disk tier)."""
+    to find a namespace's hits (without it the namespace gets no disk tier); ``checksums``
+    (a worker with ``verify_checksums``: :func:`kvtier.transfer.checksum_spec`): how its slots
+    are checksummed, so the store checks each slot before writing it to a tier."""
     spec = {"namespace": namespace, "arena_bytes": layout.total_bytes,
             "slots": [c.num_slots for c in layout.classes],
             "groups": [[s.slot_class, s.chained, s.boundary_state] for s in specs],
             "layout": encode_layout(layout)}
     if geometry is not None:
         spec["geometry"] = encode_geometry(geometry)
+    if checksums is not None:
+        spec["checksums"] = checksums
     return spec
 
 
@@ -97,6 +108,7 @@ class StoreIndex(Index):
         self._next_try = 0.0
         self._leased: dict[tuple[int, bytes], int] = {}
         self.outages = 0  # times the store was found absent or lost
+        self.failed_requests = 0  # requests the store answered as failed (StoreOpFailed)
         self._logged_down = False
         self._view_keys: list[bytes] = []
         self._view_slots: list[list[int]] = []
@@ -147,6 +159,11 @@ class StoreIndex(Index):
             args["pre"], self._deferred = self._deferred, []
         try:
             return self.client.call(op, **args)
+        except StoreRefused as e:
+            if not e.failed:
+                raise
+            self._op_failed(op, e)
+            raise StoreOpFailed(str(e)) from None
         except StoreDown as e:
             self.outages += 1
             self._logged_down = True
@@ -154,6 +171,13 @@ class StoreIndex(Index):
             logger.warning("kvtier store connection lost: recomputing until it returns, "
                            "retrying every %.1fs (%s)", self.retry_seconds, e)
             raise
+
+    def _op_failed(self, op: str, e: StoreRefused) -> None:
+        self.failed_requests += 1
+        n = self.failed_requests
+        if n <= 20 or n % 100 == 0:
+            logger.warning("kvtier store: request %r failed in the store (%d so far): "
+                           "answered as a miss or a failed write: %s", op, n, e)
 
     def _defer(self, op: str, **args: Any) -> None:
         """Queue a request whose answer nobody waits for (module docstring)."""
@@ -283,7 +307,7 @@ class StoreIndex(Index):
     def pin(self, group: int, keys: Sequence[bytes]) -> list[Entry]:
         try:
             pinned = self._call("pin", g=group, keys=list(keys))
-        except StoreRefused as e:
+        except (StoreRefused, StoreOpFailed) as e:  # the load is declined: recompute
             raise KeyError(str(e)) from None
         except StoreDown:
             return self._pin_leased(group, keys)
@@ -316,19 +340,47 @@ class StoreIndex(Index):
     # -- the store's disk (kvtier.store.tiers) ----------------------------------------------
     @property
     def has_lower(self) -> bool:
-        """The store has a disk tier for this namespace (as of the current attach)."""
+        """The store has tiers below the pool for this namespace (as of the current attach)."""
         return self.up and self.attachment is not None and self.attachment.lower
 
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The store's tiers below the pool for this namespace, top first."""
+        return self.attachment.tiers if self.has_lower else ()  # type: ignore[union-attr]
+
+    @property
+    def discovers(self) -> bool:
+        """A tier of the store finds out what it holds by asking (the remote server)."""
+        return self.has_lower and self.attachment.discovers  # type: ignore[union-attr]
+
+    def discover(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> bool:
+        """Whether the store's tiers are still finding out which of ``keys`` they hold for
+        this request (ask again next step); False when down. End with :meth:`forget`."""
+        try:
+            return bool(self._call("discover", req=req_id, keys=list(keys),
+                                   num_tokens=num_tokens))
+        except StoreDown:
+            return False
+
+    def forget(self, req_id: str) -> None:
+        """The request is over: the store drops what its discovery kept (no round trip)."""
+        if self.client.connected:
+            self._deferred.append({"op": "forget", "req": req_id})
+
     def promote(self, keys: Sequence[bytes], num_tokens: int,
-                hbm_tokens: int) -> tuple[int, int] | None:
-        """Ask the store to promote what its disk adds to this lookup's DRAM hit: (the
-        store's job, tokens it adds), or None (nothing to add, or the store is down)."""
+                hbm_tokens: int) -> tuple[int, int, dict[str, int]] | None:
+        """Ask the store to promote what its tiers add to this lookup's DRAM hit: (the
+        store's job, tokens it adds, those tokens per tier), or None (nothing to add, or
+        the store is down)."""
         try:
             r = self._call("promote", keys=list(keys), num_tokens=num_tokens,
                            hbm_tokens=hbm_tokens)
         except StoreDown:
             return None
-        return None if r is None else (int(r[0]), int(r[1]))
+        if r is None:
+            return None
+        by = {str(k): int(v) for k, v in r[2].items()} if len(r) > 2 else {"disk": int(r[1])}
+        return int(r[0]), int(r[1]), by
 
     def promoted(self, jobs: Sequence[int]) -> dict[int, bool] | None:
         """Of this epoch's promotion ``jobs``, those that landed (whether each verified
@@ -341,10 +393,16 @@ class StoreIndex(Index):
 
     def disk_stats(self) -> dict[str, Any] | None:
         """The namespace's disk tier (stored chunks per group, capacity, counters), or None."""
+        return self.tier_stats().get("disk")
+
+    def tier_stats(self) -> dict[str, dict[str, Any]]:
+        """Per tier of the store below the pool (``disk``, ``remote``): stored chunks per
+        group, capacity, counters; {} when down or without tiers."""
         try:
-            return self._call("stats").get("disk")  # type: ignore[no-any-return]
+            r = self._call("stats")
         except StoreDown:
-            return None
+            return {}
+        return dict(r.get("tiers") or ({"disk": r["disk"]} if r.get("disk") else {}))
 
     # -- accounting -------------------------------------------------------------------------
     def stats(self) -> IndexStats:
@@ -372,7 +430,7 @@ class StoreIndex(Index):
         """The store checks its index of this namespace (AssertionError if inconsistent)."""
         try:
             self._call("check")
-        except StoreRefused as e:
+        except (StoreRefused, StoreOpFailed) as e:
             raise AssertionError(str(e)) from None
         except StoreDown:
             pass

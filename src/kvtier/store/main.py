@@ -22,7 +22,8 @@ from kvtier.store.client import SCHEME
 from kvtier.store.pool import PoolError
 
 if TYPE_CHECKING:
-    from kvtier.store.tiers import StoreDisk
+    from kvtier.store.remote import StoreRemote
+    from kvtier.store.tiers import StoreDisk, StoreTiers
 
 HELP = "run the node-wide store that engines attach to with store_url"
 
@@ -51,7 +52,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes the disk tier may use, all namespaces together, with a unit "
                    "(e.g. 500GiB); each namespace gets its arena's share of the pool")
     p.add_argument("--disk-max-pending-chunks", type=int, default=256,
-                   help="chunks in flight to or from the disk per namespace")
+                   help="chunks in flight to or from each tier (disk, remote) per namespace")
+    p.add_argument("--stop-write-back-s", type=float, default=30.0,
+                   help="at SIGTERM/SIGINT, seconds the store may spend writing what its pool "
+                   "holds and its disk lacks to the disk (and finishing the remote tier's "
+                   "write-through) before it exits, so a restarted store finds it; 0: none "
+                   "(a second signal, or SIGKILL, ends it at once)")
+    add_remote_arguments(p)
+
+
+def add_remote_arguments(p: argparse.ArgumentParser) -> None:
+    """``--remote-url`` and the engine's other remote settings, one flag each."""
+    from kvtier.config import KvtierConfig
+    from kvtier.store.remote import PASSWORD_ENV, SETTINGS
+
+    fields = KvtierConfig.model_fields
+    p.add_argument("--remote-url", default=None,
+                   help="redis://host:port or rediss://host:port of the store's remote tier "
+                   "(Redis or Valkey), below the disk with --disk-path, else right below the "
+                   "pool; every chunk an engine commits is written through to it, and a "
+                   "restarted store finds its chunks there. The password comes from "
+                   f"${PASSWORD_ENV}. Unset: no remote tier")
+    for name in SETTINGS[1:]:
+        flag = "--" + name.replace("_", "-")
+        f = fields[name]
+        if f.annotation is bool:
+            p.add_argument(flag, action="store_true", default=None, help=f.description)
+        elif name == "remote_size":
+            p.add_argument(flag, default=None,
+                           help="bytes of the remote tier the store counts on, all namespaces "
+                           "together (each gets its arena's share), with a unit (default "
+                           f"{format_bytes(f.default)})")
+        else:
+            p.add_argument(flag, default=None,
+                           help=f"{f.description} (the engine setting {name}; default "
+                           f"{f.default})")
+
+
+def open_remote(args: argparse.Namespace) -> StoreRemote | None:
+    """The store's remote tier of ``--remote-url`` and the remote flags (ConfigError), or
+    None."""
+    from pydantic import ValidationError
+
+    from kvtier.store.remote import SETTINGS, StoreRemote
+
+    given = {n: getattr(args, n, None) for n in SETTINGS}
+    given = {n: v for n, v in given.items() if v is not None}
+    if "remote_url" not in given:
+        if given:
+            raise ConfigError(f"--{next(iter(given)).replace('_', '-')} needs --remote-url")
+        return None
+    try:
+        return StoreRemote(given)
+    except ValidationError as e:  # one line, naming the flags
+        why = "; ".join(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: "
+                        f"{err['msg']}" if err["loc"] else err["msg"] for err in e.errors())
+        raise ConfigError(f"the store's remote tier: {why}") from None
+
+
+def open_tiers(args: argparse.Namespace) -> StoreTiers | None:
+    """The store's tiers below its pool (ConfigError), or None without any."""
+    if args.disk_max_pending_chunks < 1:
+        raise ConfigError("--disk-max-pending-chunks must be at least 1")
+    disk, remote = open_disk(args), open_remote(args)
+    if disk is None and remote is None:
+        return None
+    from kvtier.store.tiers import StoreTiers
+
+    return StoreTiers(disk, remote, args.disk_max_pending_chunks)
 
 
 def open_disk(args: argparse.Namespace) -> StoreDisk | None:
@@ -61,13 +129,10 @@ def open_disk(args: argparse.Namespace) -> StoreDisk | None:
                           "tier, or neither")
     if args.disk_path is None:
         return None
-    if args.disk_max_pending_chunks < 1:
-        raise ConfigError("--disk-max-pending-chunks must be at least 1")
     from kvtier.store.tiers import StoreDisk  # imports torch: only with a disk
 
     try:
-        return StoreDisk(os.path.abspath(args.disk_path), parse_bytes(args.disk_size),
-                         args.disk_max_pending_chunks)
+        return StoreDisk(os.path.abspath(args.disk_path), parse_bytes(args.disk_size))
     except ConfigError as e:  # its text names the engine's settings: say which flags
         raise ConfigError(f"--disk-path/--disk-size: {e}") from None
 
@@ -82,22 +147,29 @@ def run(args: argparse.Namespace) -> int:
         if args.lease_ttl <= 0:
             raise ConfigError("--lease-ttl must be positive")
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        disk = open_disk(args)
+        tiers = open_tiers(args)
         t0 = time.perf_counter()
         server = StoreServer(path, size, lease_ttl=args.lease_ttl, policy=args.policy,
-                             disk=disk)
+                             tiers=tiers)
         reserve_s = time.perf_counter() - t0
     except (ValueError, PoolError, OSError) as e:  # ConfigError is a ValueError
         print(f"kvtier store: {e}", file=sys.stderr)
         return 2
 
+    stopping = threading.Event()
+
     def stop(_sig: int, _frame: FrameType | None) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        if stopping.is_set():  # a second signal: no more write-back
+            os._exit(0)
+        stopping.set()
+        threading.Thread(target=server.shutdown, args=(args.stop_write_back_s,),
+                         daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    where = "" if disk is None else f", disk {format_bytes(disk.size)} at {disk.path}"
+    where = "" if tiers is None else f", {tiers.describe()}"
     print(f"kvtier store ready on {SCHEME}{path} (pool {format_bytes(size)} reserved in "
           f"{reserve_s:.3f}s{where})", flush=True)
     server.serve_forever()
+    server.stopped.wait(args.stop_write_back_s + 30)  # the write-back, the tiers' last I/O
     return 0

@@ -20,7 +20,7 @@ from kvtier.store.space import Space
 Op = Callable[[Space, ClientHolds, dict[str, Any], float], Any]
 # requests a client may queue and send ahead of its next one (``pre``): nobody waits for
 # their answer (kvtier.store.index.StoreIndex)
-DEFERRABLE = frozenset({"commit", "abort", "discard", "unpin", "touch"})
+DEFERRABLE = frozenset({"commit", "abort", "discard", "unpin", "touch", "forget"})
 
 
 def _lease_ready(space: Space, holds: ClientHolds, group: int, keys: list[bytes],
@@ -98,7 +98,11 @@ def reserve(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -
 
 
 def commit(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
-    return space.index.commit(holds.end_write(int(msg["h"])))
+    e = holds.end_write(int(msg["h"]))
+    done = space.index.commit(e)
+    if done and space.tier is not None:
+        space.tier.note_saved(e)  # the remote tier writes it through
+    return done
 
 
 def abort(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
@@ -129,9 +133,23 @@ def reset(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
     return space.index.reset()
 
 
+def discover(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """Whether a tier is still finding out which of ``keys`` it holds for request ``req``
+    (the lookup defers and asks again; ``forget`` ends the request's state)."""
+    if space.tier is None:
+        return False
+    return space.tier.discovering(holds, str(msg["req"]), [bytes(k) for k in msg["keys"]],
+                                  int(msg["num_tokens"]))
+
+
+def forget(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    if space.tier is not None:
+        space.tier.forget_request(holds, str(msg["req"]))
+
+
 def promote(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
-    """A lookup's DRAM hit extended from the store's disk: [job, tokens added] while the
-    chunks are read into reserved slots (poll ``promoted``), or None."""
+    """A lookup's DRAM hit extended from the store's tiers: [job, tokens added, those tokens
+    per tier] while the chunks are read into reserved slots (poll ``promoted``), or None."""
     if space.tier is None:
         return None
     return space.tier.promote(holds, [bytes(k) for k in msg["keys"]], int(msg["num_tokens"]),
@@ -147,11 +165,12 @@ def promoted(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) 
 
 def stats(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
     s = space.index.stats()
+    tiers = {} if space.tier is None else space.tier.stats()
     return {"stored": s.stored, "writing": s.writing, "pinned": s.pinned, "doomed": s.doomed,
             "evictions": s.evictions, "free_slots": s.free_slots,
             "mine": {"writes": len(holds.writes), "pins": sum(holds.pins.values()),
                      "leases": len(holds.leases)},
-            "disk": None if space.tier is None else space.tier.stats()}
+            "disk": tiers.get("disk"), "tiers": tiers}
 
 
 def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
@@ -160,4 +179,5 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
                                                pin, unpin, discard, touch, reset, stats, check,
-                                               stored_or_writing, flush, promote, promoted)}
+                                               stored_or_writing, flush, promote, promoted,
+                                               discover, forget)}

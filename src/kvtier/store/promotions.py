@@ -1,13 +1,19 @@
-"""An engine's side of the store's disk tier (:mod:`kvtier.store.tiers`): the scheduler's
-lower tier (``OffloadScheduler.tier``) when the store moves the bytes.
+"""An engine's side of the store's tiers below its pool (:mod:`kvtier.store.tiers`: the
+disk, the remote server): the scheduler's lower tier (``OffloadScheduler.tier``) when the
+store moves the bytes.
 
 Contract (the scheduler's preparation step, :mod:`kvtier.prepare`, is unchanged):
 
+- :meth:`StorePromotions.discovering`: with a store tier that finds out what it holds by
+  asking (the remote server), each lookup until the promotion is asked sends ``discover``
+  (one round trip) and defers while the store waits for the server's answer; the request's
+  state there ends with :meth:`StorePromotions.forget_request` (a queued request).
 - :meth:`StorePromotions.promote`, asked once per request lifecycle when DRAM's answer is
-  one a promotion may improve on, asks the store to promote what its disk adds (one round
-  trip, only while the store has a disk tier for this namespace); if it does, the lookup
-  defers (``None``) within ``prepare_timeout_ms`` / ``prepare_max_steps`` like a promotion
-  of the engine's own disk.
+  one a promotion may improve on, asks the store to promote what its tiers add (one round
+  trip, only while the store has tiers for this namespace); if it does, the lookup defers
+  (``None``) within ``prepare_timeout_ms`` / ``prepare_max_steps`` like a promotion of the
+  engine's own tiers. The store says how many of the tokens each tier brings (the
+  scheduler's ``tier_hits`` per tier name).
 - :meth:`StorePromotions.take_plans` (once per step) polls the store for the promotions in
   flight and hands the landed ones to the scheduler (``on_landed``, with no entries: the
   store leased the promoted chunks to this engine, and the next lookup finds them as DRAM
@@ -91,13 +97,19 @@ class StorePromotions:
         self.stats = TierStats()
         self.catalog = StoreCatalog(dram)
         self.waiting: dict[int, tuple[str, int]] = {}  # store's job -> (request, epoch)
+        self._asked: set[str] = set()  # requests the store's discovery keeps state for
 
     def named(self, name: str) -> StorePromotions | None:
         return self if name == TIER_NAME else None
 
     # -- lookups ----------------------------------------------------------------------------
     def discovering(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> bool:
-        return False  # the store answers promote() at once
+        """While the store's remote tier finds out what it holds for this request (one
+        round trip per lookup, only with a tier that discovers): the lookup defers."""
+        if not self.index.discovers:
+            return False  # a local tier's catalog always knows: promote() answers at once
+        self._asked.add(req_id)
+        return self.index.discover(req_id, keys, num_tokens)
 
     def promote(self, req_id: str, keys: Sequence[bytes], num_tokens: int, hbm_tokens: int,
                 dram_hit: Hit) -> tuple[int, int, dict[str, int]] | None:
@@ -111,20 +123,25 @@ class StorePromotions:
         started = self.index.promote(keys[:most], num_tokens, hbm_tokens)
         if started is None:
             return None
-        job, added = started
+        job, added, by = started
         self.waiting[job] = (req_id, self.index.epoch)
-        return job, added, {TIER_NAME: added}
+        return job, added, by
 
     def answered(self, prep: Preparation | None, hit: Hit) -> dict[str, int]:
-        """As :meth:`TierStack.answered`; never asked while the store has no disk."""
+        """As :meth:`TierStack.answered`, over the store's tiers; {} while it has none."""
         if not self.index.has_lower:
             return {}
         asked = (prep is not None and prep.promotion_tried) or hit.reason in IMPROVABLE
         if not asked:
             return {}
         landed = prep is not None and prep.promotion is None and prep.promoted_tokens > 0
-        return {TIER_NAME: min(hit.tokens, prep.promoted_tokens)  # type: ignore[union-attr]
-                if hit.ok and landed else 0}
+        left = hit.tokens if hit.ok else 0
+        out: dict[str, int] = {}
+        for name in self.index.tier_names:
+            n = min(left, prep.promoted_by.get(name, 0)) if landed else 0  # type: ignore[union-attr]
+            out[name] = n
+            left -= n
+        return out
 
     def note_load(self, prep: Preparation, tokens: int) -> None:
         if prep.promotion is None and prep.promoted_tokens:
@@ -149,7 +166,8 @@ class StorePromotions:
             else:
                 self.stats.promotion_jobs_failed += 1
             if self.on_landed is not None:
-                self.on_landed(req_id, j, [], [] if ok else [TIER_NAME])
+                self.on_landed(req_id, j, [], [] if ok else
+                               list(self.index.tier_names or (TIER_NAME,)))
         return []
 
     def note_saved(self, entry: object) -> None:
@@ -160,7 +178,11 @@ class StorePromotions:
             raise RuntimeError(f"a worker reported jobs of store tiers {sorted(reports)}")
 
     def forget_request(self, req_id: str) -> None:
-        pass  # its promotion still lands (for later requests); on_landed then finds no one
+        """Its promotion still lands (for later requests; on_landed then finds no one); the
+        store drops what its discovery kept for the request."""
+        if req_id in self._asked:
+            self._asked.discard(req_id)
+            self.index.forget(req_id)
 
     def reset(self) -> None:
         pass  # the store's reset (the scheduler resets its index) empties its disk too

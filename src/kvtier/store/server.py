@@ -14,9 +14,14 @@ Contract:
   (:meth:`kvtier.store.leases.ClientHolds.release_all`).
 - Leases expire ``lease_ttl`` seconds after the lookup that took them (a sweeper checks four
   times per TTL); hard pins never do.
-- With ``disk`` (:class:`kvtier.store.tiers.StoreDisk`) every namespace whose engines bring
-  their geometry gets a disk tier below its arena (:mod:`kvtier.store.tiers`), driven by a
-  tier thread under the same lock; the store maps its own pool for that I/O.
+- With ``tiers`` (:class:`kvtier.store.tiers.StoreTiers`: a disk, a remote server, or both)
+  every namespace whose engines bring their geometry gets those tiers below its arena
+  (:mod:`kvtier.store.tiers`), driven by a tier thread under the same lock; the store maps
+  its own pool for that I/O.
+- A request that fails in the store (any exception of its op) is answered with an error
+  (the client counts it and treats it as a miss or a failed write) and logged; the
+  connection keeps serving. A queued request that fails is reported in its carrier's
+  ``pre_errors``.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config import format_bytes
 from kvtier.store import framing
+from kvtier.store.client import FAILED  # a request that failed in the store (not a refusal)
 from kvtier.store.leases import ClientHolds
 from kvtier.store.ops import DEFERRABLE, OPS
 from kvtier.store.pool import ArenaMap, PoolError, create_pool_fd
 from kvtier.store.space import Space, decode_geometry, decode_layout, layout_id
 
 if TYPE_CHECKING:
-    from kvtier.store.tiers import StoreDisk
+    from kvtier.store.tiers import StoreTiers
 
 logger = logging.getLogger("kvtier.store")
 _UCRED = struct.Struct("3i")
@@ -75,9 +81,9 @@ def bind_private(path: str) -> socket.socket:
 
 class StoreServer:
     def __init__(self, path: str, pool_size: int, lease_ttl: float = 30.0,
-                 policy: str = "lru", disk: StoreDisk | None = None) -> None:
+                 policy: str = "lru", tiers: StoreTiers | None = None) -> None:
         self.path = path
-        self.disk = disk
+        self.tiers = tiers
         self.pool_size = pool_size
         self.lease_ttl = lease_ttl
         self.policy = policy
@@ -88,8 +94,10 @@ class StoreServer:
         self.released = {"writes": 0, "pins": 0, "leases": 0, "expired": 0}
         self.clients: set[ClientHolds] = set()
         self._stop = threading.Event()
-        self._pool_view: Any = None  # the store's own mapping of the pool (disk I/O)
-        if disk is not None:
+        self.stopped = threading.Event()  # shutdown finished (write-back, tiers closed)
+        self._pool_view: Any = None  # the store's own mapping of the pool (tier I/O)
+        self.failed_requests = 0
+        if tiers is not None:
             from kvtier.store.pool import map_pool
             from kvtier.store.tiers import pool_tensor
 
@@ -100,7 +108,7 @@ class StoreServer:
     # -- the loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
         threading.Thread(target=self._sweep, daemon=True, name="kvtier-store-sweep").start()
-        if self.disk is not None:
+        if self.tiers is not None:
             threading.Thread(target=self._tiers, daemon=True, name="kvtier-store-tiers").start()
         logger.info("kvtier store on %s: pool %s, lease ttl %.1fs", self.path,
                     format_bytes(self.pool_size), self.lease_ttl)
@@ -115,20 +123,43 @@ class StoreServer:
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, write_back_s: float = 0.0) -> None:
+        """Stop: no new connection; with a disk tier, up to ``write_back_s`` seconds writing
+        what the pool holds and the disk lacks to the disk (and finishing the remote tier's
+        write-through), so a restarted store finds it; then the tiers close."""
         self._stop.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        if write_back_s > 0:
+            self._write_back(time.monotonic() + write_back_s)
         with self.lock:
             for space in self.spaces.values():
                 if space.tier is not None:
                     space.tier.close()
                     space.tier = None
-        if self.disk is not None:
-            self.disk.close()
+        if self.tiers is not None:
+            self.tiers.close()
+        self.stopped.set()
+
+    def _write_back(self, deadline: float) -> None:
+        from kvtier.store.tiers import TICK_S
+
+        t0, left = time.monotonic(), True
+        while left and time.monotonic() < deadline:
+            with self.lock:
+                left = False
+                for space in self.spaces.values():
+                    if space.tier is not None:
+                        left = space.tier.write_back() or left
+            time.sleep(TICK_S)
+        written = {ns.hex()[:8]: s.tier.stats().get("disk", {}).get("demotions")
+                   for ns, s in self.spaces.items() if s.tier is not None}
+        logger.info("kvtier store: write-back at stop %s in %.1fs (disk demotions per "
+                    "namespace: %s)", "cut short" if left else "done",
+                    time.monotonic() - t0, written)
 
     def _tiers(self) -> None:
         from kvtier.store.tiers import TICK_S
@@ -140,7 +171,7 @@ class StoreServer:
                         try:
                             space.tier.tick()
                         except Exception:  # a broken round must not end the tier thread
-                            logger.exception("kvtier store: disk tier round failed")
+                            logger.exception("kvtier store: a tier round failed")
 
     def _sweep(self) -> None:
         while not self._stop.wait(self.lease_ttl / 4):
@@ -163,6 +194,8 @@ class StoreServer:
                 framing.send(conn, reply, send_fds)
         except (ConnectionError, OSError):
             pass
+        except framing.ProtocolError as e:  # the stream is out of step: nothing more to read
+            logger.warning("kvtier store: closed a connection that sent a bad frame: %s", e)
         finally:
             session.close()
             conn.close()
@@ -198,6 +231,20 @@ class Session:
             return {"id": rid, "ok": False, "error": "KeyError", "msg": str(e)}, []
         except (PoolError, ValueError, AssertionError, framing.ProtocolError) as e:
             return {"id": rid, "ok": False, "error": type(e).__name__, "msg": str(e)}, []
+        except Exception as e:  # a bug or a bad request: answer it, keep serving the rest
+            self._failed(f"request {op!r}", e)
+            return {"id": rid, "ok": False, "error": FAILED, "msg": f"{type(e).__name__}: {e}"
+                    }, []
+
+    def _failed(self, what: str, e: Exception) -> None:
+        """Log a request that failed in the store (bounded: the first 20, then every 100th)."""
+        srv = self.server
+        srv.failed_requests += 1
+        n = srv.failed_requests
+        if n <= 20 or n % 100 == 0:
+            logger.error("kvtier store: %s failed in the store (%d so far), answered as an "
+                         "error: %s: %s", what, n, type(e).__name__, e,
+                         exc_info=n <= 3)
 
     def _run_queued(self, queued: Any) -> list[str]:
         """The requests the client queued ahead of this one (``DEFERRABLE``), in order; what
@@ -212,6 +259,9 @@ class Session:
                 OPS[name](self.space, self.holds, sub, self.server.lease_ttl)
             except (KeyError, ValueError, AssertionError) as e:
                 failed.append(f"{name}: {type(e).__name__}: {e}")
+            except Exception as e:
+                self._failed(f"queued request {name!r}", e)
+                failed.append(f"{name}: {FAILED}: {type(e).__name__}: {e}")
         return failed
 
     def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -231,16 +281,20 @@ class Session:
         space.attached += 1
         self.space, self.holds = space, ClientHolds(space.index)
         srv.clients.add(self.holds)
+        if space.tier is not None and "checksums" in msg:
+            space.tier.verify_with(msg["checksums"])
+        tier = space.tier
         return {"pool_bytes": srv.pool_size, "arena_offset": space.arena.offset,
                 "arena_bytes": space.arena.size, "lease_ttl": srv.lease_ttl,
-                "lower": space.tier is not None}
+                "lower": tier is not None, "tiers": [] if tier is None else tier.names,
+                "discovers": tier is not None and tier.discovers}
 
     def _open_tier(self, space: Space, msg: dict[str, Any]) -> None:
-        """The namespace's share of the store's disk (none without one, or for a model with
+        """The namespace's share of the store's tiers (none without any, or for a model with
         other than full-attention groups)."""
         srv = self.server
         space.tier_tried = True
-        if srv.disk is None:
+        if srv.tiers is None:
             return
         from kvtier.layout import GroupKind
         from kvtier.store.tiers import SpaceTier
@@ -248,15 +302,15 @@ class Session:
         geometry = decode_geometry(msg["geometry"])
         if any(g.kind is not GroupKind.FULL for g in geometry.groups):
             logger.info("kvtier store: a namespace with other than full-attention groups "
-                        "keeps no chunks on disk")
+                        "keeps no chunks in the store's tiers")
             return
-        budget = srv.disk.size * space.arena.size // srv.pool_size
         try:
-            space.tier = SpaceTier(srv.disk, space.arena.namespace, geometry,
+            space.tier = SpaceTier(srv.tiers, space.arena.namespace, geometry,
                                    decode_layout(msg["layout"]), space.arena, srv._pool_view,
-                                   space.index, space.allocator, budget, srv.lease_ttl)
+                                   space.index, space.allocator,
+                                   space.arena.size / srv.pool_size, srv.lease_ttl)
         except ValueError as e:
-            logger.warning("kvtier store: no disk tier for a namespace: %s", e)
+            logger.warning("kvtier store: no tiers below the pool for a namespace: %s", e)
 
     def _new_space(self, ns: bytes, msg: dict[str, Any], lid: bytes) -> Space:
         srv, size = self.server, int(msg["arena_bytes"])

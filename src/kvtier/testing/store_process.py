@@ -17,11 +17,13 @@ class StoreProcess:
     """``python -m kvtier.cli store`` on a socket under ``directory``."""
 
     def __init__(self, directory: Path, size: str = "64MiB", lease_ttl: float = 30.0,
-                 disk: tuple[Path, str] | None = None) -> None:
-        """``disk``: the store's disk tier, (directory, size)."""
+                 disk: tuple[Path, str] | None = None, extra: tuple[str, ...] = ()) -> None:
+        """``disk``: the store's disk tier, (directory, size); ``extra``: more flags (the
+        remote tier's, ``--remote-url``...)."""
         self.path = str(directory / "store.sock")
         self.url = "unix://" + self.path
         self.size, self.lease_ttl, self.disk = size, lease_ttl, disk
+        self.extra = extra
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 60.0) -> StoreProcess:
@@ -30,7 +32,7 @@ class StoreProcess:
             [sys.executable, "-m", "kvtier.cli", "store", "--socket", self.path,
              "--size", self.size, "--lease-ttl", str(self.lease_ttl),
              *(["--disk-path", str(self.disk[0]), "--disk-size", self.disk[1]]
-               if self.disk else [])],
+               if self.disk else []), *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None

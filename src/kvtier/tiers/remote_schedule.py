@@ -51,9 +51,12 @@ class RemoteTierScheduler(TierScheduler):
     discovers = True  # other engines' chunks are found by asking the server
 
     def __init__(self, *args: object, directory: RemoteDirectory | None = None,
-                 **kw: object) -> None:
+                 query_wait_s: float = QUERY_WAIT_S, **kw: object) -> None:
+        """``query_wait_s``: how long a deferred lookup waits for the directory's answer
+        (0 in the node-wide store, which answers under its lock: the next lookup asks)."""
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.directory = directory
+        self.query_wait_s = query_wait_s
         self.remote = RemoteStats()
         self._through: list[Entry] = []  # DRAM chunks committed, pinned, to copy
         self._through_jobs: set[int] = set()
@@ -127,7 +130,7 @@ class RemoteTierScheduler(TierScheduler):
                 return False
             # an engine spinning through empty steps holds the GIL the answering thread
             # needs: give it up to QUERY_WAIT_S, only while a lookup waits for it
-            if not asked.query.done.wait(QUERY_WAIT_S):
+            if not asked.query.done.wait(self.query_wait_s):
                 return True
             self._register(asked.query)
             asked.registered = True

@@ -163,6 +163,22 @@ class TierScheduler:
                     break
                 self._demote(g, e, budget - self._pending_chunks)
 
+    def plan_write_back(self) -> bool:
+        """Demote what DRAM would evict next, whatever the watermark, up to the in-flight
+        budget (the node-wide store's write-back at a graceful stop); whether anything is
+        left to demote or in flight."""
+        budget = self.config.disk_max_pending_chunks
+        left = False
+        for g in self.geometry.full_groups:
+            while self._pending_chunks < budget:
+                e = self.dram.begin_leave(g)
+                if e is None:
+                    break
+                self._demote(g, e, budget - self._pending_chunks)
+            else:
+                left = True
+        return left or bool(self.jobs or self._queued)
+
     def _demote(self, g: int, e: Entry, budget: int) -> None:
         chain: list[Entry] = []
         x: Entry | None = e

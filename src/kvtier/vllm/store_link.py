@@ -16,11 +16,13 @@ from collections.abc import Callable, Sequence
 from kvtier.geometry import Geometry
 from kvtier.index.memory import GroupIndexSpec
 from kvtier.keys import Namespace
+from kvtier.layout import Layout
 from kvtier.protocol import StepPlan
 from kvtier.slab import SlabLayout
 from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
 from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
+from kvtier.transfer import checksum_spec
 from kvtier.vllm.setup import ConnectorSetup
 
 
@@ -58,10 +60,14 @@ def close_index(index: object) -> None:
         index.client.close()
 
 
-def worker_mapping(setup: ConnectorSetup, geometry: Geometry, num_shards: int) -> StoreMapping:
+def worker_mapping(setup: ConnectorSetup, geometry: Geometry, num_shards: int,
+                   layout: Layout) -> StoreMapping:
+    """``layout``: the worker's KV layout (with ``verify_checksums`` the store learns how its
+    slots are checksummed, and checks each before writing it to a tier)."""
     url = setup.config.store_url
     assert url is not None
-    layout = geometry.slab_layout(setup.config, num_shards)
+    slab = geometry.slab_layout(setup.config, num_shards)
+    sums = checksum_spec(layout, geometry) if setup.config.verify_checksums else None
     return StoreMapping(StoreClient(url), attach_spec(engine_namespace(setup, geometry),
-                                                      geometry_specs(geometry), layout,
-                                                      geometry))
+                                                      geometry_specs(geometry), slab,
+                                                      geometry, sums))

@@ -105,7 +105,7 @@ class WorkerSide:
             if store:  # the slab lies in the node-wide store's pool (kvtier.vllm.store_link)
                 self.store_mapping = worker_mapping(
                     setup, Geometry.of_layout(layout, chunk),
-                    1 if setup.replicated else setup.world_size)
+                    1 if setup.replicated else setup.world_size, layout)
             self.worker = OffloadWorker(
                 setup.config, layout, chunk, rank=rank, world_size=setup.world_size,
                 replicated=setup.replicated, shared=shm, pinner=_pinner(device_is_cuda),
