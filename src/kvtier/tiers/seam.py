@@ -174,7 +174,9 @@ class ChunkStore(ABC):
 
     Contract: ``put`` makes a chunk visible only whole (a crash mid-write leaves no chunk, or
     the old one); ``get`` verifies the bytes it returns (raises :class:`ChunkCorrupt`, never
-    returns bytes that did not verify) and raises KeyError for an absent chunk.
+    returns bytes that did not verify) and raises KeyError for an absent chunk. After a
+    ``get`` that raised, ``out`` may hold unverified bytes (a store may read into it before
+    verifying): the caller must not use them (a promotion's slot is then not committed).
     """
 
     max_in_flight: int = 1
@@ -188,7 +190,8 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
-        """Fill ``out`` (uint8, the chunk's length) with the verified copy; bytes read."""
+        """Fill ``out`` (uint8, the chunk's length) with the verified copy; bytes read. On an
+        exception ``out``'s contents are unspecified."""
 
     @abstractmethod
     def delete(self, group: int, key: bytes, parent: bytes | None) -> None:
@@ -285,12 +288,16 @@ class TierRunner:
         while self.pending() and time.monotonic() < end:
             time.sleep(0.001)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Run what is queued, then end the I/O threads; the store stays open."""
         self.drain()
         self._jobs.put(None)
         self._thread.join(timeout=10)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        self.stop()
         self.store.close()
 
     # -- the I/O thread ---------------------------------------------------------------------
