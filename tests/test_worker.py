@@ -5,7 +5,10 @@ the scheduler's :class:`WorkerReport` expects it, whatever the engine's notices 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+
+import pytest
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV, same
 from kvtier.protocol import Job, StepPlan, TransferOp, WorkerReport
@@ -171,4 +174,45 @@ def test_each_job_that_finished_ok_is_reported_with_its_bytes_and_seconds() -> N
     assert [(k, b) for k, b, _ in res.report.jobs] == [("load", res.report.bytes_loaded)]
     both = WorkerReport(jobs=[("save", 1, 0.5)]).add(res.report)
     assert [k for k, _, _ in both.jobs] == ["save", "load"]  # summed over ranks: all kept
+    worker.close()
+
+
+class _SlowLoadOps:
+    """The worker's real mover, each load copy starting ``delay_s`` late (on the copy thread)."""
+
+    def __init__(self, mover: ChunkMover, delay_s: float) -> None:
+        self.mover, self.delay_s = mover, delay_s
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.mover, name)
+
+    def load_op(self, op: TransferOp) -> int:
+        time.sleep(self.delay_s)
+        return self.mover.load_op(op)
+
+
+def test_an_idle_step_waits_for_its_load_and_a_busy_one_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that runs no forward (StepPlan.idle) blocks in collect for a load in flight and
+    reports it; a step with a forward returns at once. Without the wait the in-process engine
+    spins through empty steps and starves the copy thread of the GIL (10-30 ms a load)."""
+    import kvtier.worker
+
+    monkeypatch.setattr(kvtier.worker, "IDLE_WAIT_S", 10.0)  # returns at the completion
+    kv = SmallKV(seed=9)
+    worker = make_worker(kv, lambda m: ThreadedTransferEngine(_SlowLoadOps(m, 0.05)))  # type: ignore[arg-type]
+    assert step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)])).report.saves == {1: [1, 0]}
+    for job_id, idle in ((2, False), (3, True)):
+        plan = StepPlan(job_id, loads=[Job(job_id, "r", [TransferOp(0, 0, [7, 8])])], idle=idle)
+        worker.begin_step(plan)
+        worker.end_step(plan)
+        t0 = time.perf_counter()
+        res = worker.collect()
+        waited = time.perf_counter() - t0
+        if idle:
+            assert res.report.loads == {job_id: [1, 0]} and 0.01 < waited < 5.0
+        else:
+            assert not res.report.loads and waited < 0.04
+            worker.drain()
+            assert worker.collect().report.loads == {job_id: [1, 0]}
     worker.close()

@@ -99,6 +99,11 @@ class StepPlan:
     tiers: list[TierPlan] = field(default_factory=list)
     # the node-wide store's attach epoch its slots refer to (kvtier.store; 0: no store)
     store_epoch: int = 0
+    # the engine scheduled no tokens this step (no forward runs): a worker's collect may
+    # block a little for its loads in flight (kvtier.worker.IDLE_WAIT_S) instead of
+    # returning at once to an engine loop that spins through empty steps, holding the GIL
+    # the copy threads need
+    idle: bool = False
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -125,6 +125,11 @@ class TransferEngine(ABC):
     def tick(self) -> None:  # noqa: B027 - optional hook
         """One engine step began."""
 
+    def wait_any(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Block until a submitted job finished or ``timeout_s`` passed, without holding
+        the GIL; at once when none is in flight or one already finished. Engines whose
+        copies need no host thread keep this default (it returns at once)."""
+
     @abstractmethod
     def drain(self) -> None:
         """Block until every submitted copy finished (shutdown, tests); completions are
@@ -166,6 +171,9 @@ class EngineWrapper(TransferEngine):
 
     def tick(self) -> None:
         self.inner.tick()
+
+    def wait_any(self, timeout_s: float) -> None:
+        self.inner.wait_any(timeout_s)
 
     def drain(self) -> None:
         self.inner.drain()
@@ -388,6 +396,11 @@ class ThreadedTransferEngine(TransferEngine):
 
     def pending(self) -> int:
         return len(self._running)
+
+    def wait_any(self, timeout_s: float) -> None:
+        futures = [fut for _, fut in self._running.values()]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def drain(self) -> None:
         """Wait for everything submitted (shutdown and tests)."""

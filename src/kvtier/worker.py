@@ -44,7 +44,14 @@ from kvtier.transfer import (
 
 PROMOTION_WAIT_S = 0.002
 """Longest a collect waits for a disk promotion in flight (:meth:`TierRunner.wait_promotions`):
-only while one is, i.e. while a lookup defers for it."""
+only while one is, i.e. while a lookup defers for it (:data:`IDLE_WAIT_S` in an idle step)."""
+
+IDLE_WAIT_S = 0.005
+"""Longest a collect of an idle step (no tokens scheduled: only requests waiting for their
+loads) blocks for a load or verify job in flight, returning at its completion. Without it the
+in-process engine loop spins through empty steps in Python and the copy thread waits for the
+GIL (about one switch interval, 5 ms, per handover): a 768-token CPU load of 1.5 MiB took
+10-30 ms of TTFT that way (tools/disk_shared_prefix_cpu.py, bench/results/2026-12-01-disk-cpu)."""
 
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
@@ -136,6 +143,7 @@ class OffloadWorker:
             engine_factory(self.mover) if engine_factory is not None
             else ThreadedTransferEngine(self.mover))
         self._load_reqs: dict[int, tuple[str, list[int]]] = {}
+        self._idle = False  # this step runs no forward (StepPlan.idle)
         self._reported_nowrite: list[Job] = []
         self._fences_waited = 0
         self._inflight: dict[int, int] = {}  # job id -> collect count when it was submitted
@@ -165,6 +173,7 @@ class OffloadWorker:
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward (after :meth:`fence`): start this step's loads."""
         self.step = plan.step
+        self._idle = plan.idle
         self.engine.tick()
         for job in plan.loads:
             self._load_reqs[job.job_id] = (
@@ -222,6 +231,8 @@ class OffloadWorker:
             rep.saves[job.job_id] = [1, 0]
         self._reported_nowrite = []
         self._collects += 1
+        if self._idle and any(j in self._inflight for j in self._load_reqs):
+            self.engine.wait_any(IDLE_WAIT_S)  # a request waits for it; nothing else runs
         for c in self.engine.poll():
             self._take(c, out)
         stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]
@@ -232,7 +243,7 @@ class OffloadWorker:
                 self._take(c, out)
         rep.fences_waited, self._fences_waited = self._fences_waited, 0
         for name, runner in self.tiers.items():
-            runner.wait_promotions(PROMOTION_WAIT_S)
+            runner.wait_promotions(IDLE_WAIT_S if self._idle else PROMOTION_WAIT_S)
             done = runner.poll()
             if done:
                 tier_report = rep.tiers.setdefault(name, TierReport())

@@ -222,6 +222,7 @@ class SchedulerSide:
         self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
         step.scheduled = self._scheduled_tokens(scheduler_output)
         plan = stamp_plan(sched.index, sched.schedule_step(step))  # the store's epoch
+        plan.idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
         if self.cold is not None:
             self.cold.step_planned(scheduler_output, sched.loads_in_flight())
         return KvtierMetadata(plan, geometry_known=True)
