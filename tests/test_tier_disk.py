@@ -370,3 +370,45 @@ def test_the_start_up_probe_reads_as_promotions_do(tmp_path: Path) -> None:
     assert s.most >= 2, "the probe read one chunk at a time"
     assert not list(s.dir.iterdir()), "the probe left chunks behind"
     s.close()
+
+
+class _MeetingDisk(DiskChunkStore):
+    """The real disk store whose reads wait (up to 10 s) until ``meet`` of them run at once:
+    a runner that never has that many in flight fails them (BrokenBarrierError)."""
+
+    def __init__(self, root: Path, meet: int) -> None:
+        super().__init__(root, 0, NS, io_depth=4)
+        self.barrier = threading.Barrier(meet, timeout=10)
+
+    def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
+        self.barrier.wait()
+        return super().get(group, key, parent, out)
+
+
+def test_chunks_of_consecutive_jobs_are_in_flight_together_and_reported_in_order(
+        tmp_path: Path) -> None:
+    """One-chunk promotion jobs (one request's prefix each) still reach the store's depth:
+    the next job's read starts while the one before is in flight; completions keep the
+    submission order. A delete waits for the write before it (the promotion after both
+    finds the chunk gone)."""
+    slots = page_aligned(8, 8192)
+    slots.copy_(torch.stack([payload(8192, i) for i in range(8)]))
+    want = slots.clone()
+    s = _MeetingDisk(namespace_dir(tmp_path, NS), meet=4)
+    r = TierRunner(s, lambda g, slot: slots[slot], max_jobs=64)
+    ops = [TierOp(0, i, key(i)) for i in range(8)]
+    r.submit(TierJob(1, TierJobKind.DEMOTE, ops))
+    assert [c.ok for c in _wait(r, 1)] == [True]
+    slots.zero_()
+    for i in range(8):
+        r.submit(TierJob(10 + i, TierJobKind.PROMOTE, [ops[i]]))
+    done = _wait(r, 8)
+    assert [c.job_id for c in done] == list(range(10, 18)) and all(c.ok for c in done), done
+    assert torch.equal(slots, want)
+    s.barrier = threading.Barrier(1)
+    r.submit(TierJob(20, TierJobKind.DEMOTE, [TierOp(0, 0, key(99))]))
+    r.submit(TierJob(0, TierJobKind.DELETE, [TierOp(0, 0, key(99))]))
+    r.submit(TierJob(21, TierJobKind.PROMOTE, [TierOp(0, 1, key(99))]))
+    written, promoted = _wait(r, 2)
+    assert written.ok and not promoted.ok and promoted.absent == [0]
+    r.close()
