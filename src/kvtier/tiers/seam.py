@@ -8,8 +8,8 @@ are moved by the worker processes, because the slab is private memory of the wor
   rank 0 only), and a chunk counts as present on the tier only when every rank reported its
   write (the scheduler commits it then);
 - the scheduler sends :class:`TierJob` s in the step plan; each rank's :class:`TierRunner` runs
-  them on its own thread, in order (a delete before a later write of the same chunk; inside
-  one job up to the store's ``max_in_flight`` chunks move at once, the device's queue depth), and
+  them on its own thread, in order (a delete after everything before it; up to the store's
+  ``max_in_flight`` chunks move at once, the device's queue depth, consecutive jobs' too), and
   reports one :class:`TierCompletion` per job, which names the job and, when bytes did not
   verify, the op indexes (chunks) that failed; the queue is bounded (``max_jobs``), and a job
   past the bound fails at once, never waits;
@@ -236,7 +236,8 @@ class _JobRun:
 
 class TierRunner:
     """One rank's I/O for one tier: jobs run in submission order on one thread (their chunks
-    on up to ``store.max_in_flight`` threads at once, started and reported in order).
+    on up to ``store.max_in_flight`` threads at once, across consecutive jobs, started in
+    order; jobs reported in order).
 
     ``moves``: whether this rank moves bytes (False for ranks > 0 of a replicated layout: they
     report every job done without I/O, like their saves). ``max_jobs`` bounds the queue.
