@@ -79,6 +79,16 @@ def test_private_slab_views_are_disjoint_and_writable() -> None:
     slab.close()
 
 
+def test_private_slab_slots_start_on_pages() -> None:
+    """The disk tier reads a chunk straight into its slot only where the slot starts on a
+    page (O_DIRECT): every slot of a private slab does."""
+    layout = lay_out_slab(8 * MiB, [100_000, 200_000])
+    slab = HostSlab(layout)
+    for cls, c in enumerate(layout.classes):
+        assert {slab.view(cls, i).data_ptr() % 4096 for i in range(c.num_slots)} == {0}
+    slab.close()
+
+
 def test_a_slab_larger_than_the_host_is_refused_with_numbers() -> None:
     layout = lay_out_slab(2**50, [MiB])
     with pytest.raises(ConfigError, match=r"1PiB|1024TiB|more than this process can take"):

@@ -4,6 +4,7 @@ start-up checks of disk_path (real files under pytest's tmp_path, on the machine
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import signal
 import subprocess
@@ -114,9 +115,34 @@ def _wait(r: TierRunner, n: int) -> list:
     return done
 
 
+def page_aligned(rows: int, n: int) -> torch.Tensor:
+    """``rows`` slots of ``n`` bytes starting on pages, as the slab's are."""
+    return torch.frombuffer(mmap.mmap(-1, rows * n), dtype=torch.uint8).view(rows, n)
+
+
+def test_a_page_aligned_slot_is_read_in_place_and_still_verified(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    data = payload(2 * PAGE, 4)
+    s.put(0, key(1), None, data)
+    out = page_aligned(1, 2 * PAGE)[0]
+    assert s._lands_in_place(out) and not s._lands_in_place(torch.empty(2 * PAGE + 8,
+                                                                         dtype=torch.uint8))
+    assert s.get(0, key(1), None, out) == file_bytes(2 * PAGE) and torch.equal(out, data)
+    path = shard_dir(namespace_dir(tmp_path, NS), 0) / chunk_name(0, key(1), None)
+    raw = bytearray(path.read_bytes())
+    raw[PAGE + 5000] ^= 0x04
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChunkCorrupt):
+        s.get(0, key(1), None, out)
+    s.close()
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "in-place"])
 def test_runner_reports_each_job_and_names_the_chunk_that_did_not_verify(
-        tmp_path: Path, kvtier_caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, kvtier_caplog: pytest.LogCaptureFixture, aligned: bool) -> None:
     slots = torch.stack([payload(4096, i) for i in range(4)])
+    if aligned:
+        slots = page_aligned(4, 4096).copy_(slots)
     s = store(tmp_path)
     r = _runner(s, slots)
     ops = [TierOp(0, i, key(i), key(i - 1) if i else None) for i in range(3)]
@@ -309,3 +335,80 @@ def test_a_model_with_other_than_full_attention_is_refused(tmp_path: Path) -> No
     cfg = KvtierConfig(dram_size="4MiB", disk_path=str(tmp_path), disk_size="16MiB")
     with pytest.raises(ConfigError, match="full-attention chunks only"):
         open_disk_tier(cfg, geo, NS, geo.slab_layout(cfg, 1), 1)
+
+
+class _ConcurrencyCountingDisk(DiskChunkStore):
+    """The real disk store, counting the reads that run at once and the threads they ran on."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 0, NS, io_depth=4)
+        self.running = self.most = 0
+        self.threads: set[str] = set()
+        self._count = threading.Lock()
+
+    def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
+        with self._count:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.current_thread().name)
+        try:
+            return super().get(group, key, parent, out)
+        finally:
+            with self._count:
+                self.running -= 1
+
+
+def test_the_start_up_probe_reads_as_promotions_do(tmp_path: Path) -> None:
+    """The probe's chunks are read through a TierRunner at the store's depth (on its I/O
+    pool, several at once), not one at a time, and are deleted afterwards."""
+    from kvtier.tiers.cost import probe
+
+    s = _ConcurrencyCountingDisk(namespace_dir(tmp_path, NS))
+    cost = probe(s, 1 << 20)
+    assert cost.gbps > 0 and cost.latency_s > 0
+    assert any(t.startswith("kvtier-probe-io") for t in s.threads), s.threads
+    assert s.most >= 2, "the probe read one chunk at a time"
+    assert not list(s.dir.iterdir()), "the probe left chunks behind"
+    s.close()
+
+
+class _MeetingDisk(DiskChunkStore):
+    """The real disk store whose reads wait (up to 10 s) until ``meet`` of them run at once:
+    a runner that never has that many in flight fails them (BrokenBarrierError)."""
+
+    def __init__(self, root: Path, meet: int) -> None:
+        super().__init__(root, 0, NS, io_depth=4)
+        self.barrier = threading.Barrier(meet, timeout=10)
+
+    def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
+        self.barrier.wait()
+        return super().get(group, key, parent, out)
+
+
+def test_chunks_of_consecutive_jobs_are_in_flight_together_and_reported_in_order(
+        tmp_path: Path) -> None:
+    """One-chunk promotion jobs (one request's prefix each) still reach the store's depth:
+    the next job's read starts while the one before is in flight; completions keep the
+    submission order. A delete waits for the write before it (the promotion after both
+    finds the chunk gone)."""
+    slots = page_aligned(8, 8192)
+    slots.copy_(torch.stack([payload(8192, i) for i in range(8)]))
+    want = slots.clone()
+    s = _MeetingDisk(namespace_dir(tmp_path, NS), meet=4)
+    r = TierRunner(s, lambda g, slot: slots[slot], max_jobs=64)
+    ops = [TierOp(0, i, key(i)) for i in range(8)]
+    r.submit(TierJob(1, TierJobKind.DEMOTE, ops))
+    assert [c.ok for c in _wait(r, 1)] == [True]
+    slots.zero_()
+    for i in range(8):
+        r.submit(TierJob(10 + i, TierJobKind.PROMOTE, [ops[i]]))
+    done = _wait(r, 8)
+    assert [c.job_id for c in done] == list(range(10, 18)) and all(c.ok for c in done), done
+    assert torch.equal(slots, want)
+    s.barrier = threading.Barrier(1)
+    r.submit(TierJob(20, TierJobKind.DEMOTE, [TierOp(0, 0, key(99))]))
+    r.submit(TierJob(0, TierJobKind.DELETE, [TierOp(0, 0, key(99))]))
+    r.submit(TierJob(21, TierJobKind.PROMOTE, [TierOp(0, 1, key(99))]))
+    written, promoted = _wait(r, 2)
+    assert written.ok and not promoted.ok and promoted.absent == [0]
+    r.close()

@@ -99,8 +99,9 @@ class StepPlan:
     tiers: list[TierPlan] = field(default_factory=list)
     # the node-wide store's attach epoch its slots refer to (kvtier.store; 0: no store)
     store_epoch: int = 0
-    # nothing computes in this step and loads are in flight: the workers' collect may wait
-    # a little for them instead of returning at once (kvtier.worker.IDLE_WAIT_S)
+    # nothing computes in this step: the workers' collect may wait a little for their jobs
+    # and promotions in flight instead of returning at once (kvtier.worker.IDLE_WAIT_S) to an
+    # engine loop that spins through empty steps, holding the GIL the copy threads need
     idle: bool = False
 
 

@@ -206,7 +206,7 @@ class HostSlab:
     ``shared``: the slab is one shared-memory segment that every rank of ``shared.ranks`` maps
     (:func:`kvtier.shm.map_shared_segment`: every rank constructs its HostSlab together; the
     segment is reserved up front and already unlinked when this returns). None: private
-    memory.
+    memory (an anonymous mapping: every slot starts on a page).
     ``pinner``: pins the memory, in :func:`pin_ranges` of at most ``pin_step`` bytes, and
     unpins it at ``close``; None: not pinned.
     ``region``: the slab lies in a mapping made elsewhere (the node-wide store's pool,
@@ -234,7 +234,11 @@ class HostSlab:
                                            offset=region[1])
         elif shared is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
-            self.buffer = torch.empty(total, dtype=torch.uint8)
+            # an anonymous mapping, not torch.empty (64-byte aligned): page-aligned slots,
+            # so the disk tier's O_DIRECT reads land in them without a staging copy
+            self._mmap = mmap.mmap(-1, max(total, 1))
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(total, 1))
+            self.buffer = self.buffer[:total]
         else:
             self.buffer = self._map_shared(shared, total)
         if pinner is not None:

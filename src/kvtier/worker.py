@@ -44,7 +44,7 @@ from kvtier.transfer import (
 
 PROMOTION_WAIT_S = 0.002
 """Longest a collect waits for a disk promotion in flight (:meth:`TierRunner.wait_promotions`):
-only while one is, i.e. while a lookup defers for it."""
+only while one is, i.e. while a lookup defers for it (:data:`IDLE_WAIT_S` in an idle step)."""
 
 IDLE_WAIT_S = 0.01
 """Longest a collect waits for a job in flight in a step where nothing computes
@@ -233,10 +233,9 @@ class OffloadWorker:
             rep.saves[job.job_id] = [1, 0]
         self._reported_nowrite = []
         self._collects += 1
-        if self._idle and self._inflight:
-            self._idle = False  # once per step: a second collect returns at once
-            if self.idle_wait_s > 0:
-                self.engine.wait(self.idle_wait_s)
+        idle, self._idle = self._idle, False  # once per step: a second collect returns at once
+        if idle and self._inflight and self.idle_wait_s > 0:
+            self.engine.wait(self.idle_wait_s)
         for c in self.engine.poll():
             self._take(c, out)
         stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]
@@ -247,7 +246,7 @@ class OffloadWorker:
                 self._take(c, out)
         rep.fences_waited, self._fences_waited = self._fences_waited, 0
         for name, runner in self.tiers.items():
-            runner.wait_promotions(PROMOTION_WAIT_S)
+            runner.wait_promotions(self.idle_wait_s if idle else PROMOTION_WAIT_S)
             done = runner.poll()
             if done:
                 tier_report = rep.tiers.setdefault(name, TierReport())

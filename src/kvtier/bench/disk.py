@@ -63,7 +63,8 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int
     shutil.rmtree(root, ignore_errors=True)
     store = DiskChunkStore(root, 0, NS, io_depth=depth)
     job_chunks = max(1, min(job_chunks, n))
-    slots = torch.randint(0, 256, (job_chunks, chunk), dtype=torch.uint8)
+    slots = _page_aligned(job_chunks * chunk).view(job_chunks, chunk)  # as the slab's
+    slots.copy_(torch.randint(0, 256, (job_chunks, chunk), dtype=torch.uint8))
     want = slots.clone()
     runner = TierRunner(store, lambda g, s: slots[s], max_jobs=n)
     keys = [i.to_bytes(16, "little") for i in range(n)]
@@ -94,6 +95,15 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int
         raise RuntimeError("the tier's bytes differ, or the filesystem refused O_DIRECT "
                            "(the numbers would be the page cache's)")
     return n * chunk / write / 1e9, n * chunk / read / 1e9
+
+
+def _page_aligned(nbytes: int) -> Any:
+    """``nbytes`` of page-aligned memory (an anonymous mapping), as the slab's slots are."""
+    import mmap
+
+    import torch
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _fsync_tree(d: Path) -> None:

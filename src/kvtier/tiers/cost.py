@@ -12,13 +12,16 @@ the tiers above it end), so a slow remote store never holds back what the disk r
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kvtier.tiers.seam import ChunkStore
+from kvtier.tiers.seam import ChunkStore, TierJob, TierJobKind, TierOp, TierRunner
+
+PAGE = 4096
 
 PROBE_KEY = bytes(range(16))
 
@@ -47,27 +50,42 @@ def stacked_read_seconds(reads: Iterable[tuple[TierCost, int, int]]) -> float:
                default=0.0)
 
 
-def probe(store: ChunkStore, chunk_bytes: int, chunks: int = 4, group: int = 0) -> TierCost:
+def probe(store: ChunkStore, chunk_bytes: int, chunks: int | None = None,
+          group: int = 0) -> TierCost:
     """Write and read ``chunks`` chunks of ``chunk_bytes`` and a one-page chunk through
-    ``store``: the read time of the small one is the latency, the rest the bandwidth. The probe
-    chunks are deleted again (they live under a key no chunk hashes to)."""
-    big = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8)
-    small = big[:4096].clone()
-    out = torch.empty_like(big)
-    keys = [PROBE_KEY[:-1] + bytes([i]) for i in range(chunks + 1)]
+    ``store``: the read time of the small one is the latency, the rest the bandwidth. The
+    chunks are read as promotions read them: one job through a
+    :class:`~kvtier.tiers.seam.TierRunner`, ``store.max_in_flight`` at once, into page-aligned
+    memory like the slab's slots (default: twice that depth, at least 4, so the queue is kept
+    full). The probe chunks are deleted again (they live under a key no chunk hashes to)."""
+    n = chunks or max(4, 2 * store.max_in_flight)
+    slots = torch.frombuffer(mmap.mmap(-1, (n + 1) * chunk_bytes), dtype=torch.uint8)
+    slots = slots.view(n + 1, chunk_bytes)
+    slots.copy_(torch.randint(0, 256, slots.shape, dtype=torch.uint8))
+    small = slots[0, :PAGE]
+    keys = [PROBE_KEY[:-1] + bytes([i]) for i in range(n + 1)]
+    ops = [TierOp(group, i, k) for i, k in enumerate(keys) if i]
+    runner = TierRunner(store, lambda g, s: slots[s], name="probe")
     try:
         store.put(group, keys[0], None, small)
-        for k in keys[1:]:
-            store.put(group, k, None, big)
+        _run(runner, TierJob(0, TierJobKind.DEMOTE, ops))
         t0 = time.perf_counter()
-        store.get(group, keys[0], None, out[:4096])
+        store.get(group, keys[0], None, small)
         latency = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for k in keys[1:]:
-            store.get(group, k, None, out)
-        seconds = time.perf_counter() - t0
+        seconds = _run(runner, TierJob(1, TierJobKind.PROMOTE, ops))
     finally:
+        runner.stop()
         for k in keys:
             store.delete(group, k, None)
-    transfer = max(seconds - chunks * latency, seconds * 0.1)
-    return TierCost(gbps=chunks * chunk_bytes / transfer / 1e9, latency_s=latency)
+    transfer = max(seconds - n * latency, seconds * 0.1)
+    return TierCost(gbps=n * chunk_bytes / transfer / 1e9, latency_s=latency)
+
+
+def _run(runner: TierRunner, job: TierJob) -> float:
+    """Run one job on ``runner`` and wait for it: its seconds; raises if it failed."""
+    runner.submit(job)
+    runner.drain()
+    (done,) = runner.poll()
+    if not done.ok:
+        raise OSError(f"the {done.kind} of the tier's probe failed: {done.error}")
+    return done.seconds

@@ -192,29 +192,46 @@ class DiskChunkStore(ChunkStore):
         buf[len(head) : PAGE] = bytes(PAGE - len(head))
 
     def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
+        """Read the chunk's file in one I/O and verify it. When ``out`` can take the payload
+        as it lies on disk (page-aligned address and length, as slab slots are), the read
+        lands in it directly and the checksum runs there: no staging copy, and the payload
+        crosses memory once less. On :class:`ChunkCorrupt` ``out`` then holds the bytes that
+        did not verify: the caller never uses them (the slot is not committed)."""
         n = out.numel()
         total = file_bytes(n)
         path = self.dir / chunk_name(group, key, parent)
-        buf, t = self._staging(total)
         try:
             fd = self._open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(f"{path.name} is not on disk") from None
+        in_place = self._lands_in_place(out)
+        buf, t = self._staging(PAGE if in_place else total)
         try:
             size = os.fstat(fd).st_size
             if size != total:
                 raise ChunkCorrupt(f"{path.name}: {size} bytes, expected {total}")
-            got = os.preadv(fd, [memoryview(buf)[:total]], 0)  # one I/O: the file
+            # one I/O: the file (the views are temporaries: none outlives the call, so the
+            # staging map can close)
+            got = os.preadv(fd, [memoryview(buf)[:PAGE], memoryview(out.numpy())] if in_place
+                            else [memoryview(buf)[:total]], 0)
         finally:
             os.close(fd)
         if got != total:
             raise ChunkCorrupt(f"{path.name}: short read ({got} of {total} bytes)")
         self._verify_header(bytes(buf[: _HEAD.size + _DIGEST]), group, key, parent, n, path)
         stored = _HEAD.unpack(bytes(buf[: _HEAD.size]))[6]
-        if checksum(t[PAGE:total], chunk_seed(key, group, self.shard)) != stored:
+        payload = out if in_place else t[PAGE:total]
+        if checksum(payload, chunk_seed(key, group, self.shard)) != stored:
             raise ChunkCorrupt(f"{path.name}: checksum mismatch")
-        np.copyto(out.numpy(), t[PAGE : PAGE + n].numpy())
+        if not in_place:
+            np.copyto(out.numpy(), t[PAGE : PAGE + n].numpy())
         return total
+
+    def _lands_in_place(self, out: torch.Tensor) -> bool:
+        """Whether a read may fill ``out`` directly: its length is whole pages (no padding
+        on disk) and, under O_DIRECT, its address is page-aligned (the device DMAs there)."""
+        return (out.is_contiguous() and out.numel() % PAGE == 0
+                and (not self.direct or out.data_ptr() % PAGE == 0))
 
     def _verify_header(self, raw: bytes, group: int, key: bytes, parent: bytes | None,
                        n: int, path: Path) -> None:

@@ -8,8 +8,8 @@ are moved by the worker processes, because the slab is private memory of the wor
   rank 0 only), and a chunk counts as present on the tier only when every rank reported its
   write (the scheduler commits it then);
 - the scheduler sends :class:`TierJob` s in the step plan; each rank's :class:`TierRunner` runs
-  them on its own thread, in order (a delete before a later write of the same chunk; inside
-  one job up to the store's ``max_in_flight`` chunks move at once, the device's queue depth), and
+  them on its own thread, in order (a delete after everything before it; up to the store's
+  ``max_in_flight`` chunks move at once, the device's queue depth, consecutive jobs' too), and
   reports one :class:`TierCompletion` per job, which names the job and, when bytes did not
   verify, the op indexes (chunks) that failed; the queue is bounded (``max_jobs``), and a job
   past the bound fails at once, never waits;
@@ -31,7 +31,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -174,7 +174,9 @@ class ChunkStore(ABC):
 
     Contract: ``put`` makes a chunk visible only whole (a crash mid-write leaves no chunk, or
     the old one); ``get`` verifies the bytes it returns (raises :class:`ChunkCorrupt`, never
-    returns bytes that did not verify) and raises KeyError for an absent chunk.
+    returns bytes that did not verify) and raises KeyError for an absent chunk. After a
+    ``get`` that raised, ``out`` may hold unverified bytes (a store may read into it before
+    verifying): the caller must not use them (a promotion's slot is then not committed).
     """
 
     max_in_flight: int = 1
@@ -188,7 +190,8 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
-        """Fill ``out`` (uint8, the chunk's length) with the verified copy; bytes read."""
+        """Fill ``out`` (uint8, the chunk's length) with the verified copy; bytes read. On an
+        exception ``out``'s contents are unspecified."""
 
     @abstractmethod
     def delete(self, group: int, key: bytes, parent: bytes | None) -> None:
@@ -211,9 +214,30 @@ SlotView = Callable[[int, int], torch.Tensor]
 """(group, slot) -> this rank's bytes of that slab slot (``slot_bytes`` long)."""
 
 
+class _QueueEmpty:
+    """No job is queued (a non-blocking take found none)."""
+
+
+_QUEUE_EMPTY = _QueueEmpty()
+
+
+@dataclass
+class _JobRun:
+    """One job on the I/O thread: its completion so far and the ops not started yet."""
+
+    job: TierJob
+    out: TierCompletion
+    todo: Iterator[tuple[int, TierOp]]
+    starting: bool = True  # ops may still start (False: all started, or the job stopped)
+    stop: bool = False  # a failure: no more ops of this job start
+    in_flight: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+
 class TierRunner:
     """One rank's I/O for one tier: jobs run in submission order on one thread (their chunks
-    on up to ``store.max_in_flight`` threads at once, started and reported in order).
+    on up to ``store.max_in_flight`` threads at once, across consecutive jobs, started in
+    order; jobs reported in order).
 
     ``moves``: whether this rank moves bytes (False for ranks > 0 of a replicated layout: they
     report every job done without I/O, like their saves). ``max_jobs`` bounds the queue.
@@ -285,69 +309,118 @@ class TierRunner:
         while self.pending() and time.monotonic() < end:
             time.sleep(0.001)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Run what is queued, then end the I/O threads; the store stays open."""
         self.drain()
         self._jobs.put(None)
         self._thread.join(timeout=10)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        self.stop()
         self.store.close()
 
     # -- the I/O thread ---------------------------------------------------------------------
+    # Ops are started in order, at most max_in_flight at once, and finished in order: a
+    # demotion's slot check runs before its write is started, so a chunk after one that
+    # failed its check (its descendants) is never written; past a failure nothing more of
+    # that job starts, and what is in flight is waited for (it reads or fills slab slots).
+    # The window spans jobs: the next promotion's or demotion's first ops start while the
+    # last ops of the one before are still in flight (small jobs, one request's chunks each,
+    # would otherwise never reach the device's queue depth, and every job would end with the
+    # device idle). A delete waits for everything before it (a write then a delete of one
+    # chunk stay in that order). Jobs are reported in submission order.
     def _loop(self) -> None:
+        window: deque[tuple[_JobRun, int, TierOp, Future[int]]] = deque()
+        runs: deque[_JobRun] = deque()  # begun, not reported; only the last may start ops
+        held: TierJob | None = None  # a delete, waiting for everything before it
+        closing = False
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            done = self._run(job)
-            with self._lock:
-                self._queued -= 1
-                self._promotions -= job.kind is TierJobKind.PROMOTE
-                if done is not None:
-                    self._done.append(done)
-                self._changed.notify_all()
-
-    def _run(self, job: TierJob) -> TierCompletion | None:
-        t0 = time.perf_counter()
-        out = TierCompletion(job.job_id, job.kind, True, tier=self.name)
-        if not self.moves:
-            return None if job.kind is TierJobKind.DELETE else out
-        # ops are started in order, at most max_in_flight at once, and finished in order: a
-        # demotion's slot check runs before its write is started, so a chunk after one that
-        # failed its check (its descendants) is never written; past a failure nothing more
-        # starts, and what is in flight is waited for (it reads or fills slab slots)
-        window: deque[tuple[int, TierOp, Future[int]]] = deque()
-        ops = iter(enumerate(job.ops))
-        stop = False
-        while True:
-            while not stop and len(window) < self._depth(job.kind):
-                nxt = next(ops, None)
-                if nxt is None:
+            while held is None and not closing and len(window) < self._depth(TierJobKind.PROMOTE):
+                if runs and runs[-1].starting:
+                    self._start_next(runs[-1], window)
+                    continue
+                job = self._next_job(block=not window and not runs)
+                if job is _QUEUE_EMPTY:
                     break
-                try:
-                    window.append((*nxt, self._start(job.kind, nxt[1])))
-                except Exception as e:
-                    stop = self._failed(out, job.kind, nxt[0], nxt[1], e)
-            if not window:
-                break
-            i, op, pending = window.popleft()
+                if job is None:
+                    closing = True
+                elif job.kind is TierJobKind.DELETE:
+                    held = job
+                else:
+                    runs.append(_JobRun(job, TierCompletion(job.job_id, job.kind, True,
+                                                            tier=self.name),
+                                        iter(enumerate(job.ops)), starting=self.moves))
+            if window:
+                self._finish_head(window)
+            while runs and not runs[0].starting and runs[0].in_flight == 0:
+                self._report(runs.popleft())
+            if window or runs:
+                continue
+            if held is not None:
+                if self.moves:
+                    self._delete(held)
+                self._report(_JobRun(held, TierCompletion(held.job_id, held.kind, True),
+                                     iter(())))
+                held = None
+            elif closing:
+                return
+
+    def _delete(self, job: TierJob) -> None:
+        for op in job.ops:
             try:
-                out.nbytes += pending.result()
-                if job.kind is TierJobKind.PROMOTE and self.on_promoted is not None:
-                    self.on_promoted(op)
-            except Exception as e:
-                stop = self._failed(out, job.kind, i, op, e) or stop
-        out.seconds = time.perf_counter() - t0
-        return None if job.kind is TierJobKind.DELETE else out
+                self.store.delete(op.group, op.key, op.parent)
+            except Exception as e:  # the rest waits for the next eviction of the chunks
+                logger.warning("kvtier %s: deleting chunk %s failed: %s", self.name,
+                               op.key.hex()[:12], e)
+                return
+
+    def _next_job(self, block: bool) -> TierJob | _QueueEmpty | None:
+        """The next queued job (None: close), or ``_QUEUE_EMPTY`` without ``block``."""
+        try:
+            return self._jobs.get(block=block)
+        except queue.Empty:
+            return _QUEUE_EMPTY
+
+    def _start_next(self, run: _JobRun, window: deque[tuple[_JobRun, int, TierOp,
+                                                              Future[int]]]) -> None:
+        nxt = next(run.todo, None) if not run.stop else None
+        if nxt is None:
+            run.starting = False
+            return
+        try:
+            window.append((run, *nxt, self._start(run.job.kind, nxt[1])))
+            run.in_flight += 1
+        except Exception as e:
+            run.stop = self._failed(run.out, run.job.kind, nxt[0], nxt[1], e)
+
+    def _finish_head(self, window: deque[tuple[_JobRun, int, TierOp, Future[int]]]) -> None:
+        run, i, op, pending = window.popleft()
+        run.in_flight -= 1
+        try:
+            run.out.nbytes += pending.result()
+            if run.job.kind is TierJobKind.PROMOTE and self.on_promoted is not None:
+                self.on_promoted(op)
+        except Exception as e:
+            run.stop = self._failed(run.out, run.job.kind, i, op, e) or run.stop
+
+    def _report(self, run: _JobRun) -> None:
+        run.out.seconds = time.perf_counter() - run.t0
+        kind = run.job.kind
+        with self._lock:
+            self._queued -= 1
+            self._promotions -= kind is TierJobKind.PROMOTE
+            if kind is not TierJobKind.DELETE:
+                self._done.append(run.out)
+            self._changed.notify_all()
 
     def _depth(self, kind: TierJobKind) -> int:
         return 1 if kind is TierJobKind.DELETE else max(1, self.store.max_in_flight)
 
     def _start(self, kind: TierJobKind, op: TierOp) -> Future[int]:
-        """Start one op: on the runner's thread when one at a time, else on the I/O pool."""
-        if kind is TierJobKind.DELETE:
-            self.store.delete(op.group, op.key, op.parent)
-            return _done(0)
+        """Start one demotion or promotion op: on the runner's thread when one at a time,
+        else on the I/O pool."""
         if kind is TierJobKind.DEMOTE and self.check_demoted is not None:
             self.check_demoted(op)
         move = self._mover(kind, op)

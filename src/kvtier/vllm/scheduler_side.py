@@ -222,7 +222,9 @@ class SchedulerSide:
         self._blind.difference_update(c.req_id for c in step.cached if c.resumed)
         step.scheduled = self._scheduled_tokens(scheduler_output)
         plan = stamp_plan(sched.index, sched.schedule_step(step))  # the store's epoch
-        plan.idle = (not scheduler_output.num_scheduled_tokens) and sched.loads_in_flight()
+        # nothing computes this step (every running request waits for a load, a lookup for a
+        # promotion): the workers may block a little for what is in flight (IDLE_WAIT_S)
+        plan.idle = not scheduler_output.num_scheduled_tokens
         if self.cold is not None:
             self.cold.step_planned(scheduler_output, sched.loads_in_flight())
         return KvtierMetadata(plan, geometry_known=True)
