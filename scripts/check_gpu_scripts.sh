@@ -5,7 +5,8 @@
 # runs a script's own dry mode with a timeout, its output in a temporary folder (removed at the
 # end), and fails when the script fails or writes no result; at the end every failed step is
 # named with the tail of its log and the exit status is 1. About 3 minutes on the 2-core box.
-#   bash scripts/check_gpu_scripts.sh          (with vLLM's CPU build installed: .venv)
+#   bash scripts/check_gpu_scripts.sh   (vLLM's CPU build: the active venv, else .venv's,
+#                                        as scripts/install.sh makes it)
 # .ci/run runs it as its own step before the tests. Steps:
 #   syntax          bash -n of every bench/*.sh
 #   store           bench/gpu_store.sh DRY=1 ROUNDS=1 (the transfer bench's --smoke per pool,
@@ -30,6 +31,7 @@
 # KEEP=1 keeps the folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 start=$SECONDS
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-gpu-dry.XXXXXX")
 trap '[ -n "${KEEP:-}" ] && echo "check_gpu_scripts: kept $work" || rm -rf "$work"' EXIT
