@@ -12,8 +12,8 @@
 #   store           bench/gpu_store.sh DRY=1 ROUNDS=1 (the transfer bench's --smoke per pool,
 #                   tools/store_transfer_compare.py, tools/store_map_time.py)
 #   layouts         bench/gpu_layouts.sh DRY=1 ROUNDS=1 (every seed family's registered layout)
-#   transfer-verify `kvtier bench transfer --verify --smoke`, mha and kimi_linear at 2 MiB: the
-#                   cells of bench/gpu_verify.sh, bench/gpu_csumfix_check.sh, bench/transfer_gpu.sh
+#   transfer-verify `kvtier bench transfer --verify --smoke`, kimi_linear at 2 MiB: the verified
+#                   cells of bench/gpu_verify.sh and bench/gpu_csumfix_check.sh (mha: store's)
 #   seed-check      tools/gpu_seed_check.py --write-only for every seed (kvtier.testing.seed_models)
 #                   with every negative control: each engine's set-up up to LLM(...), no engine
 #                   (bench/gpu_hybrid.sh STAGE=check; a full --cpu run is 3 engines, too slow)
@@ -40,15 +40,16 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 SITE=$work/no-site TMPDIR=$work
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 failed=()
 
-# step NAME TIMEOUT COMMAND...: COMMAND's output in $work/NAME.log; a failure is recorded
+declare -A script  # step -> the GPU script it dry-runs, for the failure message
+# step NAME SCRIPT TIMEOUT COMMAND...: COMMAND's output in $work/NAME.log; a failure is recorded
 step() {
-  local name=$1 limit=$2 t0=$SECONDS rc; shift 2
+  local name=$1 limit=$3 t0=$SECONDS rc; script[$1]=$2; shift 3
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   timeout -k 10 "$limit" "$@" > "$work/$name.log" 2>&1
   rc=$?
   [ $rc = 124 ] && echo "timed out after $limit s" >> "$work/$name.log"
   [ $rc = 0 ] || failed+=("$name (exit $rc)")
-  echo "check_gpu_scripts: $name exit $rc in $((SECONDS - t0)) s"
+  echo "check_gpu_scripts: $name (${script[$name]}) exit $rc in $((SECONDS - t0)) s"
 }
 # expect NAME WHAT COMMAND...: after step NAME passed, COMMAND must succeed (its result)
 expect() {
@@ -64,14 +65,14 @@ all_exit_zero() {
   echo "$1: $n steps, $bad failed"; [ "$n" -ge "$2" ] && [ "$bad" = 0 ]
 }
 
-step syntax 30 bash -c 'for f in bench/*.sh scripts/*.sh; do bash -n "$f" || exit 1; done'
+step syntax 'bench/*.sh scripts/*.sh' 30 bash -c 'for f in bench/*.sh scripts/*.sh; do bash -n "$f" || exit 1; done'
 
-step store 150 env DRY=1 ROUNDS=1 OUT="$work/store" bash bench/gpu_store.sh
+step store bench/gpu_store.sh 150 env DRY=1 ROUNDS=1 OUT="$work/store" bash bench/gpu_store.sh
 expect store "4 steps of exit 0" all_exit_zero "$work/store/log" 4
 expect store "compare.json" test -s "$work/store/compare.json"
 expect store "store_map_1GiB.json" test -s "$work/store/store_map_1GiB.json"
 
-step layouts 150 env DRY=1 ROUNDS=1 OUT="$work/layouts" bash bench/gpu_layouts.sh
+step layouts bench/gpu_layouts.sh 150 env DRY=1 ROUNDS=1 OUT="$work/layouts" bash bench/gpu_layouts.sh
 expect layouts "3 steps of exit 0" all_exit_zero "$work/layouts/log" 3
 expect layouts "a summary row per family, none failed" python - "$work/layouts/summary.md" <<'EOF'
 import sys
@@ -79,17 +80,19 @@ rows = [r for r in open(sys.argv[1]) if r.startswith("| layouts ")]
 assert len(rows) == 6 and not any("failed:" in r for r in rows), rows
 EOF
 
-step transfer-verify 90 python -m kvtier.cli bench transfer --families mha,kimi_linear \
+step transfer-verify 'kvtier bench transfer --verify' 90 python -m kvtier.cli bench transfer --families kimi_linear \
   --chunks 2MiB --verify --smoke --out "$work/transfer" --tag verify
 expect transfer-verify "a result without errors or checksum failures" python - "$work/transfer" <<'EOF'
 import json, pathlib, sys
 (js,) = pathlib.Path(sys.argv[1]).glob("transfer-*.json")
 cells = json.loads(js.read_text())["cells"]
-assert {c["family"] for c in cells} == {"mha", "kimi_linear"}, cells
+assert {c["family"] for c in cells} == {"kimi_linear"}, cells
 assert all(not c.get("errors") and c["modes"] for c in cells), cells
 EOF
+expect transfer-verify "no FAILED cell (a checksum mismatch)" bash -c \
+  "! grep -n FAILED '$work/transfer-verify.log'"
 
-step seed-check 120 python - "$work/seed" <<'EOF'
+step seed-check tools/gpu_seed_check.py 120 python - "$work/seed" <<'EOF'
 import importlib.util, json, os, sys
 from kvtier.testing.seed_models import SEED_MODELS
 spec = importlib.util.spec_from_file_location("gpu_seed_check", "tools/gpu_seed_check.py")
@@ -110,7 +113,7 @@ for arch in SEED_MODELS:
 print(f"{len(SEED_MODELS)} seeds written: {', '.join(SEED_MODELS)}")
 EOF
 
-step shared-prefix 240 bash -c '
+step shared-prefix tools/gpu_shared_prefix.py 240 bash -c '
 set -e
 python - "$1" <<"EOF"
 import contextlib, importlib.util, io, json, os, sys
@@ -147,11 +150,11 @@ assert all(p["switched"] and p["steps"] > 0 for p in res["verify_ab"]), res["ver
 assert len(res["tokens"]) == 6 and all(len(t) == 4 for t in res["tokens"])
 EOF
 
-step restore-check 180 python tools/gpu_restore_check.py --tiny --tokens 1024 \
+step restore-check tools/gpu_restore_check.py 180 python tools/gpu_restore_check.py --tiny --tokens 512 \
   --model-dir "$work/restore-model" --out "$work/restore.json"
 expect restore-check "restore.json with both timings" grep -q ttft_restore_s "$work/restore.json"
 
-step offline 240 env SHAPE=tiny CONFIGS=kvtier ADMISSION=1 OUT="$work/offline" \
+step offline bench/gpu_offline.sh 240 env SHAPE=tiny CONFIGS=kvtier ADMISSION=1 OUT="$work/offline" \
   EXTRA="--prefixes 2 --prefix-len 256 --per-prefix 2 --suffix-len 64 --output-len 4 \
 --hbm-blocks 14 --dram-gib 0.125 --enforce-eager --kvtier-set cost_model=false \
 --model-root $work/offline-models" \
@@ -173,17 +176,18 @@ assert on["cold_deferred"] > 0, on  # defer_cold_requests took effect
 assert (w.parent / "offline-tiny.tgz").stat().st_size > 0
 EOF
 
-step serve 90 env DRY=1 OUT="$work/serve-out" MODEL="$work/serve-tiny" bash bench/gpu_serve.sh
+step serve bench/gpu_serve.sh 90 env DRY=1 OUT="$work/serve-out" MODEL="$work/serve-tiny" bash bench/gpu_serve.sh
 expect serve "vLLM's command line with kvtier's connector" \
   grep -q -- "--kv-transfer-config .*kvtier" "$work/serve-out/serve/dry-run.txt"
 
 for f in "${failed[@]}"; do
   name=${f%% *}
-  echo "check_gpu_scripts: FAILED $f; the end of its log:"
+  echo "check_gpu_scripts: FAILED ${script[$name]}: $f; the end of its log:"
   tail -n 25 "$work/$name.log" | sed 's/^/    /'
 done
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "check_gpu_scripts: ${#failed[@]} failed (${failed[*]}) in $((SECONDS - start)) s"
+  echo "check_gpu_scripts: ${#failed[@]} failed in $((SECONDS - start)) s:" \
+    "$(for f in "${failed[@]}"; do printf '%s; ' "${script[${f%% *}]}"; done)"
   exit 1
 fi
 echo "check_gpu_scripts: ok in $((SECONDS - start)) s"
