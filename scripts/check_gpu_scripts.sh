@@ -4,11 +4,11 @@
 # its first request after an internal API moved; its dry run had not been re-run). Each step
 # runs a script's own dry mode with a timeout, its output in a temporary folder (removed at the
 # end), and fails when the script fails or writes no result; at the end every failed step is
-# named with the tail of its log and the exit status is 1. About 3 minutes on the 2-core box.
+# named with the tail of its log and the exit status is 1. About 4 minutes on the 2-core box.
 #   bash scripts/check_gpu_scripts.sh   (vLLM's CPU build: the active venv, else .venv's,
 #                                        as scripts/install.sh makes it)
 # .ci/run runs it as its own step before the tests. Steps:
-#   syntax          bash -n of every bench/*.sh
+#   syntax          bash -n of every bench/*.sh and scripts/*.sh
 #   store           bench/gpu_store.sh DRY=1 ROUNDS=1 (the transfer bench's --smoke per pool,
 #                   tools/store_transfer_compare.py, tools/store_map_time.py)
 #   layouts         bench/gpu_layouts.sh DRY=1 ROUNDS=1 (every seed family's registered layout)
@@ -186,8 +186,8 @@ for f in "${failed[@]}"; do
   tail -n 25 "$work/$name.log" | sed 's/^/    /'
 done
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "check_gpu_scripts: ${#failed[@]} failed in $((SECONDS - start)) s:" \
-    "$(for f in "${failed[@]}"; do printf '%s; ' "${script[${f%% *}]}"; done)"
+  names=(); for f in "${failed[@]}"; do names+=("${script[${f%% *}]}"); done
+  echo "check_gpu_scripts: ${#failed[@]} failed in $((SECONDS - start)) s: ${names[*]}"
   exit 1
 fi
 echo "check_gpu_scripts: ok in $((SECONDS - start)) s"
