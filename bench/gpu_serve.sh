@@ -3,19 +3,22 @@
 # server module the installed vLLM has, starts, answers two completions of one prompt, shows
 # kvtier's series on /metrics, and vLLM exits when the wrapper gets SIGTERM.
 # Needs the entry point: python3 -m pip install -q --no-deps --no-build-isolation .
-# Everything lands in $OUT/serve/.
+# Everything lands in $OUT/serve/. DRY=1 stops after `kvtier serve --dry-run` (vLLM's parser
+# checks the arguments; no server, runs on a CPU box) with its exit status.
 set -u -o pipefail
 OUT=${OUT:-/tmp/kvtier-out}
 SITE=${SITE:-/tmp/site}
 PORT=${PORT:-8011}
+MODEL=${MODEL:-/tmp/serve-tiny}
 W=$OUT/serve
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
-python3 -c "from kvtier.testing.models import tiny_llama; print(tiny_llama('/tmp/serve-tiny'))"
-python3 -m kvtier.cli serve /tmp/serve-tiny --dry-run --load-format dummy --port "$PORT" \
-    > "$W/dry-run.txt" 2>&1; echo "dry-run rc=$?"; tail -3 "$W/dry-run.txt"
+python3 -c "import sys; from kvtier.testing.models import tiny_llama; print(tiny_llama(sys.argv[1]))" "$MODEL"
+python3 -m kvtier.cli serve "$MODEL" --dry-run --load-format dummy --port "$PORT" \
+    > "$W/dry-run.txt" 2>&1; rc=$?; echo "dry-run rc=$rc"; tail -3 "$W/dry-run.txt"
+[ -n "${DRY:-}" ] && exit $rc
 t0=$(date +%s)
-python3 -m kvtier.cli serve /tmp/serve-tiny --dram-size 2GiB --load-format dummy \
+python3 -m kvtier.cli serve "$MODEL" --dram-size 2GiB --load-format dummy \
     --port "$PORT" --max-model-len 1024 --gpu-memory-utilization 0.15 --block-size 16 --num-gpu-blocks-override 64 --skip-tokenizer-init \
     --ready-timeout 240 > "$W/serve.log" 2>&1 &
 wrapper=$!
@@ -25,14 +28,14 @@ for _ in $(seq 1 240); do
     sleep 1
 done
 echo "ready after $(( $(date +%s) - t0 )) s: $(grep -c 'kvtier serve: ready' "$W/serve.log")"
-python3 - "$PORT" > "$W/completions.json" <<'PY'
+python3 - "$PORT" "$MODEL" > "$W/completions.json" <<'PY'
 import json, sys, urllib.request
-port = sys.argv[1]
+port, model = sys.argv[1], sys.argv[2]
 a = [100 + (i * 37) % 800 for i in range(700)]
 b = [100 + (i * 53 + 7) % 800 for i in range(700)]
 out = []
 for i, prompt in enumerate([a, b, a]):  # 64 HBM blocks of 16: b pushes a out of HBM
-    body = json.dumps({"model": "/tmp/serve-tiny", "prompt": prompt, "max_tokens": 8,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8,
                        "temperature": 0, "ignore_eos": True, "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})

@@ -22,7 +22,9 @@ One process per engine, all driven from this one command:
    (``kvtier.testing.negative``); each must make the check fail.
 
 Writes ``<arch>.json`` (and one per control) under ``--out`` and prints one line per check.
-``--cpu`` runs it on vLLM's CPU build (0.32; Qwen3-Next there), for a dry run of the tool.
+``--cpu`` runs it on vLLM's CPU build (0.32; Qwen3-Next there), for a dry run of the tool;
+``--write-only`` (any architecture, no engine) runs each engine's set-up up to ``LLM(...)``
+(scripts/check_gpu_scripts.sh runs it for every seed).
 """
 
 from __future__ import annotations
@@ -129,6 +131,14 @@ NEGATIVE_CONTROLS = {
 }
 
 
+def negative_rpc(name: str) -> Any:
+    """The worker rpc of negative control ``name`` (``NEGATIVE_CONTROLS``)."""
+    import importlib
+
+    module, fn = NEGATIVE_CONTROLS[name]
+    return getattr(importlib.import_module(module), fn)
+
+
 def write_model(args: argparse.Namespace) -> str:
     """The seed's model folder, its position limit at least the engine's max_model_len."""
     from kvtier.testing.seed_models import SEED_MODELS
@@ -141,8 +151,6 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One engine process: ``cold`` (the prompts from scratch, prefix caching off; writes the
     reference) or ``kvtier`` (the check against C and the cold reference, optionally under a
     negative control)."""
-    import importlib
-
     from kvtier.testing.triton_autotune import limit_autotune
 
     limit_autotune()  # GPU_TOOLS_AUTOTUNE_KEEP, before vLLM imports its Triton kernels
@@ -159,8 +167,13 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     res: dict[str, Any] = {"arch": args.arch, "mode": mode, "negative": args.negative,
                            "vllm": __import__("vllm").__version__,
                            "vllm_fixes": [] if args.cpu else apply_vllm_fixes()}
+    kw = engine_kwargs(args, folder, mode)
+    if args.write_only:  # everything up to the engine's start, and the control's rpc
+        if args.negative:
+            negative_rpc(args.negative)
+        return {**res, "engine_kwargs": kw}
     t0 = time.time()
-    llm = LLM(**engine_kwargs(args, folder, mode))
+    llm = LLM(**kw)
     res["engine_start_s"] = round(time.time() - t0, 1)
     params = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False, temperature=0.0,
                             logprobs=5)
@@ -179,9 +192,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             ref = json.load(f)
         cold = {n: [Generated.from_json(g) for g in ref[n]] for n in CHECKS if n in ref}
     if args.negative:
-        module, fn = NEGATIVE_CONTROLS[args.negative]
-        res["negative_rpc"] = llm.collective_rpc(getattr(importlib.import_module(module), fn),
-                                                 args=(True,))
+        res["negative_rpc"] = llm.collective_rpc(negative_rpc(args.negative), args=(True,))
     res["chunk_tokens"] = h.kvtier.geometry.chunk_tokens
     for name, prompts in prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB).items():
         t = time.time()
@@ -309,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU build")
     ap.add_argument("--eager", action="store_true", help="CUDA graphs off")
+    ap.add_argument("--write-only", action="store_true",
+                    help="the dry run of every engine's set-up in this process (model folder, "
+                         "imports, engine arguments, each --negative's rpc), no engine; "
+                         "writes <arch>_write_only.json")
     ap.add_argument("--child", choices=["kvtier", "cold"], default=None)
     ap.add_argument("--cold", default="", help="the cold reference JSON (set by the driver)")
     ap.add_argument("--result", default="", help="the child's result JSON (set by the driver)")
@@ -323,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     base = os.path.join(args.out, args.arch)
     if not args.chunk and not args.cpu:
         args.chunk = GPU_CHUNKS.get(args.arch, 0)
+    if args.write_only:
+        return write_only(args, base + "_write_only.json")
     summary: dict[str, Any] = {"arch": args.arch}
     if not args.chunk:  # a first kvtier run finds the chunk the prompts are built from
         first = collect(*spawn(args, "kvtier", None, base + "_probe.json", ""), args.timeout)
@@ -366,6 +383,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{bool(args.cold)}); negative controls failed the check: "
           f"{ {n: v['check_failed'] for n, v in summary['negative'].items()} }", flush=True)
     return 0 if summary["passed_where_vllm_is_exact"] else 1
+
+
+def write_only(args: argparse.Namespace, path: str) -> int:
+    """``--write-only``: each run the driver would spawn (cold, kvtier, one per negative
+    control), up to its engine's start, in this process; their engine arguments to ``path``."""
+    negatives = args.negative
+    runs = []
+    for mode, negative in [("cold", None), ("kvtier", None)] + [("kvtier", n) for n in negatives]:
+        args.negative = negative
+        runs.append(run_engine(args, mode))
+    args.negative = negatives
+    _write(path, {"arch": args.arch, "chunk": args.chunk, "runs": runs})
+    print(f"{args.arch}: {len(runs)} engine set-ups written to {path}", flush=True)
+    return 0
 
 
 def _write(path: str, payload: Any) -> None:
