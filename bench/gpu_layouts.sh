@@ -30,7 +30,7 @@ SMOKE=()
 if [ -n "$DRY" ]; then SMOKE=(--smoke); fi
 mkdir -p "$OUT/transfer"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then  # the GPU image's Python (a dry run uses this one)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
 fi
