@@ -34,12 +34,13 @@ def tokens(n: int, seed: int) -> list[int]:
     return [(seed * 7919 + 31 * i + (i * i) % 97) % 1000 + 3 for i in range(n)]
 
 
-def run(model: str, prefixes: int, disk: str | None, dram: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+def engine(model: str, disk: str | None, dram: str) -> tuple[Any, Any]:
+    """The run's in-process engine (kvtier DRAM of ``dram``, a 2 GiB disk tier under ``disk``
+    when given) and its handles, the dummy weights sharpened."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvtier.testing.restore import handles, settle, sharpen_dummy_weights
-    from tests.e2e.conftest import shutdown
+    from kvtier.testing.restore import handles, sharpen_dummy_weights
 
     extra: dict[str, Any] = {"dram_size": dram, "cost_model": False}
     if disk:
@@ -53,6 +54,16 @@ def run(model: str, prefixes: int, disk: str | None, dram: str) -> dict[str, Any
               block_size=32, seed=0, num_gpu_blocks_override=160)
     h = handles(llm)
     sharpen_dummy_weights(h)
+    return llm, h
+
+
+def run(model: str, prefixes: int, disk: str | None, dram: str) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from kvtier.testing.restore import settle
+    from tests.e2e.conftest import shutdown
+
+    llm, h = engine(model, disk, dram)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     pre = [tokens(3 * C, seed=1 + i) for i in range(prefixes)]
     for i, p in enumerate(pre):  # pass 1

@@ -27,28 +27,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from disk_shared_prefix_cpu import C, tokens
+from disk_shared_prefix_cpu import engine as make_engine
 
 
 def run(model: str, prefixes: int, disk: str | None, dram: str
         ) -> tuple[list[float], list[dict[str, Any]]]:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
-    from kvtier.testing.restore import handles, settle, sharpen_dummy_weights
+    from kvtier.testing.restore import settle
     from tests.e2e.conftest import shutdown
 
-    extra: dict[str, Any] = {"dram_size": dram, "cost_model": False}
-    if disk:
-        extra |= {"disk_path": disk, "disk_size": "2GiB"}
-    ktc = KVTransferConfig(kv_connector="KvtierConnector",
-                           kv_connector_module_path="kvtier.vllm.connector",
-                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                           kv_connector_extra_config=extra)
-    llm = LLM(model=model, kv_transfer_config=ktc, load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=True, dtype="float32", max_model_len=4096, max_num_seqs=4,
-              block_size=32, seed=0, num_gpu_blocks_override=160)
-    h = handles(llm)
-    sharpen_dummy_weights(h)
+    llm, h = make_engine(model, disk, dram)
     engine, steps = llm.llm_engine, []
     real_step = engine.step
 
