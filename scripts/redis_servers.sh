@@ -56,8 +56,20 @@ case $cmd in
     echo "export KVTIER_TEST_REDIS_CLUSTER=$(IFS=,; echo "${nodes[*]}")"
     ;;
   stop)
-    for pid in "$dir"/*/redis.pid; do
-      [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true
+    # SIGTERM, then wait for each server to exit: a server still shutting down writes its log
+    # and nodes.conf, and removing DIR under it fails ("Directory not empty").
+    pids=()
+    for pidfile in "$dir"/*/redis.pid; do
+      [ -f "$pidfile" ] || continue
+      pid=$(cat "$pidfile")
+      kill "$pid" 2>/dev/null && pids+=("$pid")
+    done
+    for pid in "${pids[@]}"; do
+      for _ in $(seq 100); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+      done
+      kill -9 "$pid" 2>/dev/null || true
     done
     ;;
 esac

@@ -12,7 +12,9 @@ ruff check src tests tools
 # stopped when this script exits; CI (.ci/run) requires them, elsewhere they start if they can.
 if [ "${KVTIER_TEST_REDIS_REQUIRED:-0}" = 1 ] || command -v redis-server >/dev/null; then
   redis_dir=$(mktemp -d)
-  trap 'bash scripts/redis_servers.sh stop "$redis_dir"; rm -rf "$redis_dir"' EXIT
+  # The trap keeps pytest's exit status: a clean-up hiccup must neither fail a green run nor
+  # hide a red one.
+  trap 'rc=$?; bash scripts/redis_servers.sh stop "$redis_dir" || true; rm -rf "$redis_dir" || true; exit $rc' EXIT
   eval "$(bash scripts/redis_servers.sh start "$redis_dir")"
 fi
 python -m pytest "$@"
