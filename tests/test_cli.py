@@ -179,3 +179,31 @@ def test_bench_compare_starts_each_server_in_turn(monkeypatch: pytest.MonkeyPatc
     assert "--dtype" in launched[0].vllm_args and "--port" in launched[0].vllm_args
     assert sorted(os.listdir(out)) == ["results.json", "server-HBM-only.log",
                                        "server-kvtier.log", "table.txt"]
+
+
+def test_command_line_and_connector_import_without_the_remote_extra() -> None:
+    """``redis`` is the ``remote`` extra's: without it, every subcommand's parser builds (the
+    GPU image lacked it, and ``kvtier bench transfer`` failed at ``build_parser``), the
+    connector imports, and only a remote tier asks for it."""
+    script = (
+        "import importlib.abc, sys\n"
+        "class NoRedis(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'redis' or name.startswith('redis.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, NoRedis())\n"
+        "from kvtier.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "for argv in (['bench', 'transfer', '--help'], ['store', '--help']):\n"
+        "    try:\n"
+        "        parser.parse_args(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (argv, e.code)\n"
+        "import kvtier.vllm.connector, kvtier.vllm.plugin\n"
+        "assert not any(m == 'redis' or m.startswith('redis.') for m in sys.modules)\n"
+        "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     """``--remote-url`` and the engine's other remote settings, one flag each."""
     from kvtier.config import KvtierConfig
-    from kvtier.store.remote import PASSWORD_ENV, SETTINGS
+    from kvtier.store.remote_settings import PASSWORD_ENV, SETTINGS
 
     fields = KvtierConfig.model_fields
     p.add_argument("--remote-url", default=None,
@@ -94,7 +94,8 @@ def open_remote(args: argparse.Namespace) -> StoreRemote | None:
     None."""
     from pydantic import ValidationError
 
-    from kvtier.store.remote import SETTINGS, StoreRemote
+    from kvtier.store.remote import StoreRemote
+    from kvtier.store.remote_settings import SETTINGS
 
     given = {n: getattr(args, n, None) for n in SETTINGS}
     given = {n: v for n, v in given.items() if v is not None}

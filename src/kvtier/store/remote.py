@@ -26,6 +26,7 @@ import os
 from collections.abc import Sequence
 
 from kvtier.config import KvtierConfig
+from kvtier.store.remote_settings import PASSWORD_ENV
 from kvtier.tiers.catalog import TierCatalog
 from kvtier.tiers.cost import TierCost
 from kvtier.tiers.remote import RedisChunkStore
@@ -36,14 +37,6 @@ from kvtier.tiers.remote_setup import MAX_CATALOG_CHUNKS, UNPROBED, remote_store
 from kvtier.tiers.schedule import LowerTier
 
 logger = logging.getLogger("kvtier.store")
-
-PASSWORD_ENV = "KVTIER_REMOTE_PASSWORD"
-
-SETTINGS = ("remote_url", "remote_cluster", "remote_username", "remote_tls_ca_file",
-            "remote_tls_cert_file", "remote_tls_key_file", "remote_key_prefix", "remote_size",
-            "remote_timeout_ms", "remote_part_size", "remote_ttl_s", "remote_breaker_failures",
-            "remote_breaker_cooldown_ms")
-"""The engine's remote settings the store takes, each as ``--remote-...`` (``_`` -> ``-``)."""
 
 
 class StoreRemote:
