@@ -116,3 +116,33 @@ def test_nan_logprobs_compare_bitwise_and_are_flagged(flat: bool) -> None:
     zero = (tok, rank, ids, [0.0, vals[1], vals[2]])
     negzero = (tok, rank, ids, [-0.0, vals[1], vals[2]])
     assert not same_logprobs(output(with_step(0, zero), flat), output(with_step(0, negzero), flat))
+
+
+def verdict(**fields: Any) -> Any:
+    from kvtier.testing.restore import PromptResult
+
+    base = dict(prompt_len=10, expected_restored=8, checksums_equal=True, tokens_equal=True,
+                logprobs_equal=True, tokens_equal_cold=True, logprobs_equal_cold=True,
+                hbm_hit_equal_cold=True, hbm_hit_repeatable=True)
+    return PromptResult(**{**base, **fields})
+
+
+def test_a_restore_held_to_vllm_s_hit_fails_on_outputs_only_where_that_hit_repeats() -> None:
+    # B differs from C while C repeats itself: kvtier's difference, both verdicts fail
+    r = verdict(logprobs_equal=False, logprobs_equal_cold=False)
+    assert not r.passed and not r.passed_where_vllm_is_exact
+    assert "B differs from vLLM's own hit C (logprobs)" in r.why_failed
+    # C differs from C2 (vLLM's own hit is not reproducible): the output comparison is void,
+    # the strict verdict still fails and says why
+    r = verdict(logprobs_equal=False, logprobs_equal_cold=False, hbm_hit_equal_cold=False,
+                hbm_hit_repeatable=False)
+    assert not r.passed and r.passed_where_vllm_is_exact
+    assert "not reproducible" in r.why_failed
+    # the bytes always count: a checksum difference fails both, whatever vLLM reproduces
+    r = verdict(checksums_equal=False, hbm_hit_repeatable=False, tokens_equal=False,
+                logprobs_equal=False)
+    assert not r.passed and not r.passed_where_vllm_is_exact
+    assert r.why_failed.startswith("restored bytes differ")
+    # NaN outputs void the check both ways
+    assert not verdict(nan_outputs=True).passed_where_vllm_is_exact
+    assert verdict().passed and verdict().why_failed == ""

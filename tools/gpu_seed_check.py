@@ -204,14 +204,13 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             print(f"{args.arch} {name}: FAILED with {type(e).__name__}: {e}", flush=True)
             continue
         res[name] = {**r.to_json(), "seconds": round(time.time() - t, 2)}
-        print(f"{args.arch} {name}: {'PASSED' if r.passed else 'FAILED'} (where vLLM's "
-              f"cache is exact: {'PASSED' if r.passed_where_vllm_is_exact else 'FAILED'}) restored "
-              f"{r.restored_tokens}/{r.expected_restored}, cold compared: {r.cold_checked}, "
-              + str([(p.checksums_equal, p.tokens_equal, p.logprobs_equal, p.tokens_equal_cold,
-                      p.logprobs_equal_cold, p.hbm_hit_equal_cold, p.blocks_compared)
-                     for p in r.prompts])
-              + "; against run A (this engine's first computation, tokens/logprobs): "
-              + str([(p.tokens_equal_first, p.logprobs_equal_first) for p in r.prompts]),
+        print(f"{args.arch} {name}: strict {'PASSED' if r.passed else 'FAILED'}, held to "
+              f"vLLM's own cache {'PASSED' if r.passed_where_vllm_is_exact else 'FAILED'}; "
+              f"restored {r.restored_tokens}/{r.expected_restored}, cold compared: "
+              f"{r.cold_checked}; per prompt: "
+              + "; ".join(f"{p.prompt_len} tokens: {p.why_failed or 'all equal'}"
+                          f" (C repeatable: {p.hbm_hit_repeatable}, blocks {p.blocks_compared})"
+                          for p in r.prompts),
               flush=True)
     if not args.negative:  # a report beside the verdict: the same long check, zeros filled
         res["long_fill_zero"] = fill_zero_check(h, args, params, cold.get("long"))
@@ -378,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     summary["passed"] = passed
     summary["passed_where_vllm_is_exact"] = verdict("passed_where_vllm_is_exact")
     _write(base + ".json", summary)
-    print(f"{args.arch}: restore check {'PASSED' if passed else 'FAILED'}, where vLLM's own "
-          f"cache equals a recompute: {summary['passed_where_vllm_is_exact']} (cold reference: "
+    print(f"{args.arch}: restore check, strict (B equals C and the cold run D bit for bit): "
+          f"{'PASSED' if passed else 'FAILED'}; held to what vLLM's own cache reproduces: "
+          f"{'PASSED' if summary['passed_where_vllm_is_exact'] else 'FAILED'} (cold reference: "
           f"{bool(args.cold)}); negative controls failed the check: "
           f"{ {n: v['check_failed'] for n, v in summary['negative'].items()} }", flush=True)
     return 0 if summary["passed_where_vllm_is_exact"] else 1
