@@ -20,7 +20,8 @@ mkdir -p "$W"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
     --format=csv > "$W/gpu.txt" 2>&1
-git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
+# BENCH_COMMIT: the commit as the caller knows it (the device's copy of .git can be stale)
+echo "${BENCH_COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}" > "$W/commit.txt"
 t0=$(date +%s)
 PYTHONPATH=$SITE:$PWD/src timeout 240 python3 tools/gpu_restore_check.py --tokens 16384 --tp 1 \
     --out "$W/restore_tp1.json" > "$W/restore.log" 2>&1

@@ -31,7 +31,8 @@ case "$(stat -f -c %T "$(dirname "$DISK")" 2>/dev/null)" in
 esac
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONPATH=$SITE:$PWD/src:$PWD
-git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
+# BENCH_COMMIT: the commit as the caller knows it (the device's copy of .git can be stale)
+echo "${BENCH_COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}" > "$W/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpu.txt" 2>&1
 { df -hT "$(dirname "$DISK")"; lsblk -o NAME,MODEL,SIZE,ROTA,TYPE 2>/dev/null; } > "$W/disk.txt" 2>&1
 timeout 45 python3 -m kvtier.cli bench disk "$(dirname "$DISK")" --pairs 3 --total-mib 1024 \

@@ -32,7 +32,8 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/sr
 export TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
     --format=csv > "$W/gpu.txt" 2>&1
-git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
+# BENCH_COMMIT: the commit as the caller knows it (the device's copy of .git can be stale)
+echo "${BENCH_COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}" > "$W/commit.txt"
 t0=$(date +%s)
 if [ "$STAGE" = check ]; then
     pids=()

@@ -48,7 +48,7 @@ bench() {  # bench TIMEOUT END TAG ARGS...: one `kvtier bench transfer` run, log
 }
 {
     date -u
-    git log -1 --format='commit %H %s' 2>/dev/null
+    echo "commit ${BENCH_COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}"
     if [ -z "$DRY" ]; then
         nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     fi

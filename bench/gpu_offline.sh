@@ -18,7 +18,8 @@ EXTRA=${EXTRA:-}
 W=$OUT/offline-$SHAPE
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
-git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
+# BENCH_COMMIT: the commit as the caller knows it (the device's copy of .git can be stale)
+echo "${BENCH_COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}" > "$W/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpu.txt" 2>&1
 # shellcheck disable=SC2086
 python3 -m kvtier.cli bench offline --shape "$SHAPE" --configs "$CONFIGS" --rounds "$ROUNDS" \

@@ -15,7 +15,8 @@ AB_PAIRS=${AB_PAIRS:-2}
 W=$OUT/verify
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
-git log -1 --format='%H %s' > "$W/commit.txt" 2>/dev/null || true
+# BENCH_COMMIT: the commit as the caller knows it (the device's copy of .git can be stale)
+echo "${BENCH_COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}" > "$W/commit.txt"
 t0=$(date +%s)
 for i in $(seq 1 "$ROUNDS"); do
     for v in off on; do
