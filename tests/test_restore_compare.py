@@ -138,6 +138,15 @@ def test_a_restore_held_to_vllm_s_hit_fails_on_outputs_only_where_that_hit_repea
                 hbm_hit_repeatable=False)
     assert not r.passed and r.passed_where_vllm_is_exact
     assert "not reproducible" in r.why_failed
+    # CF differs from C (vLLM's hit reads bytes outside its blocks): B is held to CF, which
+    # has B's surroundings, not to C
+    r = verdict(logprobs_equal=False, hbm_hit_fill_equal=False, tokens_equal_fill=True,
+                logprobs_equal_fill=True)
+    assert not r.passed and r.passed_where_vllm_is_exact
+    assert "bytes outside its blocks; B against CF: equal" in r.why_failed
+    r = verdict(logprobs_equal=False, hbm_hit_fill_equal=False, tokens_equal_fill=True,
+                logprobs_equal_fill=False)
+    assert not r.passed_where_vllm_is_exact and "B against CF: logprobs differ" in r.why_failed
     # the bytes always count: a checksum difference fails both, whatever vLLM reproduces
     r = verdict(checksums_equal=False, hbm_hit_repeatable=False, tokens_equal=False,
                 logprobs_equal=False)

@@ -198,7 +198,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         t = time.time()
         try:
             r = restore_check(h, prompts, params, cold=cold.get(name),
-                              one_at_a_time=name in ONE_AT_A_TIME)
+                              one_at_a_time=name in ONE_AT_A_TIME, hit_controls=True)
         except Exception as e:  # a crash is a result (reported, and a failed check)
             res[name] = {"passed": False, "error": f"{type(e).__name__}: {e}"}
             print(f"{args.arch} {name}: FAILED with {type(e).__name__}: {e}", flush=True)
@@ -209,7 +209,8 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
               f"restored {r.restored_tokens}/{r.expected_restored}, cold compared: "
               f"{r.cold_checked}; per prompt: "
               + "; ".join(f"{p.prompt_len} tokens: {p.why_failed or 'all equal'}"
-                          f" (C repeatable: {p.hbm_hit_repeatable}, blocks {p.blocks_compared})"
+                          f" (C2 = C: {p.hbm_hit_repeatable}, CF = C: {p.hbm_hit_fill_equal},"
+                          f" blocks {p.blocks_compared})"
                           for p in r.prompts),
               flush=True)
     if not args.negative:  # a report beside the verdict: the same long check, zeros filled

@@ -75,9 +75,10 @@ def engine(model_dir: str, cold: dict[str, Generated], shutdown_after: list[Any]
     return h
 
 
-def _check(engine: Any, cold: dict[str, Generated], *names: str) -> Any:
+def _check(engine: Any, cold: dict[str, Generated], *names: str,
+           hit_controls: bool = False) -> Any:
     return restore_check(engine, [PROMPTS[n] for n in names], greedy(),
-                         cold=[cold[n] for n in names])
+                         cold=[cold[n] for n in names], hit_controls=hit_controls)
 
 
 def test_four_groups_three_of_them_state_in_align_mode(engine: Any) -> None:
@@ -94,7 +95,7 @@ def test_four_groups_three_of_them_state_in_align_mode(engine: Any) -> None:
 
 def test_restore_check_with_state_equals_hbm_hit_and_cold_recompute(
         engine: Any, cold: dict[str, Generated]) -> None:
-    res = _check(engine, cold, "two_chunks", "one_chunk")
+    res = _check(engine, cold, "two_chunks", "one_chunk", hit_controls=True)
     assert res.restored_tokens == res.expected_restored == 3 * C, res
     assert res.cold_checked and res.loads_failed == 0
     for p in res.prompts:
@@ -103,6 +104,10 @@ def test_restore_check_with_state_equals_hbm_hit_and_cold_recompute(
         assert p.tokens_equal and p.logprobs_equal, (p.tokens_b, p.tokens_c)
         assert p.tokens_equal_cold and p.logprobs_equal_cold, p
         assert p.tokens_equal_first and p.logprobs_equal_first, p  # run A, from nothing
+        # C2 and CF (kvtier.testing.restore): with state groups sharing storage with the
+        # attention group, filling around the cached blocks keeps what the hit reads
+        assert p.hbm_hit_repeatable and p.hbm_hit_fill_equal, p
+        assert p.tokens_equal_fill and p.logprobs_equal_fill, p
     assert res.passed
 
 

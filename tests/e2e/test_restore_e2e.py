@@ -70,11 +70,38 @@ def test_two_requests_sharing_a_prefix_one_at_a_time(engine: Any) -> None:
     kernels are not batch-invariant."""
     shared = prompt(2 * C, seed=14)
     prompts = [shared + prompt(C + 7, seed=15), shared + prompt(C + 3, seed=16)]
-    res = restore_check(engine, prompts, greedy(), one_at_a_time=True)
+    res = restore_check(engine, prompts, greedy(), one_at_a_time=True, hit_controls=True)
     assert res.one_at_a_time and res.passed, res
     assert res.restored_tokens == res.expected_restored == 2 * 3 * C
     assert res.loads_ok >= 2 and res.loads_failed == 0  # one load per request at least
     assert all(p.checksums_equal and p.tokens_equal and p.logprobs_equal for p in res.prompts)
+    # vLLM's CPU build reproduces its own hit (C2), also with everything around the cached
+    # blocks filled (CF), and B equals CF: the controls the GPU seed checks lean on
+    for p in res.prompts:
+        assert p.hbm_hit_repeatable and p.hbm_hit_fill_equal, p
+        assert p.tokens_equal_fill and p.logprobs_equal_fill, p
+
+
+def test_fill_keeping_fills_everything_but_the_listed_blocks(engine: Any) -> None:
+    """CF's fill (kvtier.testing.probe.ProbeConnector.fill_keeping): the listed blocks keep
+    their bytes, every other block of the same layers gets the pattern."""
+    from kvtier.testing.probe import rpc_block_checksums, rpc_fill_keeping
+
+    p = prompt(2 * C + 5, seed=19)
+    engine.llm.reset_prefix_cache()
+    generate(engine, [p], greedy())
+    (table,) = engine.scheduler_connector.blocks_of(p)
+    layers = list(engine.scheduler_connector.groups.specs[0].layer_names)
+    kept, other = table[:2], table[2:4]
+    ask = [(layers, kept + other)]
+    (before,) = engine.llm.collective_rpc(rpc_block_checksums, args=(ask,))
+    assert all(n > 0 for n in engine.llm.collective_rpc(
+        rpc_fill_keeping, args=(0x47, [(layers, kept)])))
+    (after,) = engine.llm.collective_rpc(rpc_block_checksums, args=(ask,))
+    assert after[0][:2] == before[0][:2]
+    assert all(a != b for a, b in zip(after[0][2:], before[0][2:]))
+    assert after[0][2] == after[0][3]  # both all pattern
+    engine.llm.reset_prefix_cache()  # HBM now caches blocks that hold the pattern
 
 
 def test_one_at_a_time_fails_when_a_chunk_copy_is_skipped(engine: Any) -> None:

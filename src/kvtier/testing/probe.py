@@ -144,6 +144,28 @@ class ProbeConnector(KvtierConnector):
         return n
 
 
+    def fill_keeping(self, byte: int, keep: list[tuple[list[str], list[int]]]) -> int:
+        """:meth:`fill_all`, except the blocks listed per group (layer names, block ids, read
+        as :meth:`block_checksums` reads them), which keep their bytes: what vLLM's prefix
+        cache holds for a prompt stays, everything around it becomes the pattern. Storages
+        shared between groups are safe: every kept piece is read before the fill and written
+        back after it, so aliased pieces get back the bytes they had."""
+        if self.worker_side.worker is not None:
+            self.worker_side.worker.drain()
+        saved = []
+        for layers, ids in keep:
+            for name in layers:
+                for t in self._tensors(self.vllm_kv_caches[name]):
+                    r = t.shape[0] // self.num_blocks
+                    for b in ids:
+                        piece = t[b * r:(b + 1) * r] if r > 1 else t[b]
+                        saved.append((piece, piece.clone()))
+        n = self.fill_all(byte)
+        for piece, copy in saved:
+            piece.copy_(copy)
+        return n
+
+
 def fill_worker_kv_caches(worker: Any, byte: int = 0x47) -> int:
     """For ``LLM.collective_rpc``: overwrite every KV cache byte of this worker (through the
     model runner's own tensors) after kvtier's in-flight transfers finished."""
@@ -177,6 +199,12 @@ def rpc_fill(worker: Any, byte: int = 0x47) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return int(get_kv_transfer_group().fill_all(byte))
+
+
+def rpc_fill_keeping(worker: Any, byte: int, keep: list[tuple[list[str], list[int]]]) -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return int(get_kv_transfer_group().fill_keeping(byte, keep))
 
 
 def rpc_worker_facts(worker: Any) -> dict[str, Any]:

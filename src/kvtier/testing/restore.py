@@ -4,9 +4,13 @@ whose connector is :class:`kvtier.testing.probe.ProbeConnector`.
 Run A computes the prompts; the probe reads per-block checksums through vLLM's block table
 of each request: every KV block kvtier restores and, for a recurrent-state group, the one state
 block of the boundary. Run C repeats them with vLLM's own prefix cache (the reference at the
-same boundary), and run C2 repeats C on the same cached blocks: whether vLLM's own hit is
-reproducible at all (where it is not, no output comparison can tell a restore's bytes from
-another run's, and the check rests on the checksums). Then the prefix cache is reset and every byte of every registered KV and state
+same boundary). With ``hit_controls``, two controls of vLLM's own hit follow: run C2 repeats C
+on the same cached blocks (is vLLM's hit reproducible at all? where it is not, no output
+comparison can tell a restore's bytes from another run's, and the check rests on the
+checksums), and run CF fills everything but the prompts' cached blocks and hits them again
+(do vLLM's outputs depend on bytes outside the blocks it hits? B has the fill there too, so
+where CF differs from C, CF is B's reference: the two differ only in where the blocks sit).
+Then the prefix cache is reset and every byte of every registered KV and state
 tensor overwritten with a fill pattern; run B repeats the prompts, so whatever it did not
 recompute came from kvtier. The check passes only if kvtier restored exactly the whole-chunk
 prefixes, run B's blocks (KV and state) hold run A's bytes, and run B's greedy tokens and
@@ -136,9 +140,14 @@ class PromptResult:
     logprobs_equal_first: bool | None = None
     blocks_compared: dict[str, int] = field(default_factory=dict)
     # C2 (C again, on the same cached blocks) against C: False where vLLM's own prefix-cache
-    # hit gives other outputs from the same bytes (kernels that read more than the cached
-    # blocks, or are not run-to-run deterministic); then B's outputs cannot be held to C's
+    # hit is not run-to-run deterministic; then B's outputs cannot be held to C's
     hbm_hit_repeatable: bool | None = None
+    # CF (C after everything but the cached blocks was filled) against C: False where vLLM's
+    # outputs depend on bytes outside the blocks it hits (slots past a sequence's end, other
+    # blocks); B against CF: the same surroundings, other block ids
+    hbm_hit_fill_equal: bool | None = None
+    tokens_equal_fill: bool | None = None
+    logprobs_equal_fill: bool | None = None
     tokens_b: list[int] = field(default_factory=list)
     tokens_c: list[int] = field(default_factory=list)
     # B or C produced NaN logprobs: the comparison of outputs is void, the check cannot pass
@@ -159,8 +168,12 @@ class PromptResult:
         cold_ok = (self.hbm_hit_equal_cold is False
                    or (self.tokens_equal_cold is not False
                        and self.logprobs_equal_cold is not False))
-        hit_ok = (self.hbm_hit_repeatable is False
-                  or (self.tokens_equal and self.logprobs_equal))
+        if self.hbm_hit_repeatable is False:
+            hit_ok = True  # vLLM's own hit differs from itself: outputs prove nothing
+        elif self.hbm_hit_fill_equal is False:  # B's reference is CF (module docstring)
+            hit_ok = bool(self.tokens_equal_fill and self.logprobs_equal_fill)
+        else:
+            hit_ok = self.tokens_equal and self.logprobs_equal
         return self.checksums_equal and hit_ok and cold_ok and not self.nan_outputs
 
     @property
@@ -168,9 +181,13 @@ class PromptResult:
         """What failed, in words ('' when :attr:`passed`)."""
         parts = [] if self.checksums_equal else ["restored bytes differ from run A's"]
         if not self.tokens_equal or not self.logprobs_equal:
-            parts.append(f"B differs from vLLM's own hit C ({'logprobs' if self.tokens_equal else 'tokens'})"
+            what = "logprobs" if self.tokens_equal else "tokens"
+            parts.append(f"B differs from vLLM's own hit C ({what})"
                          + (" and C differs from C again (vLLM's hit is not reproducible)"
-                            if self.hbm_hit_repeatable is False else ""))
+                            if self.hbm_hit_repeatable is False else "")
+                         + (" and C differs from CF (vLLM's hit depends on bytes outside "
+                            f"its blocks; B against CF: {self._fill_words()})"
+                            if self.hbm_hit_fill_equal is False else ""))
         if self.tokens_equal_cold is False or self.logprobs_equal_cold is False:
             parts.append("B differs from the cold run"
                          + (" as vLLM's own hit does" if self.hbm_hit_equal_cold is False
@@ -178,6 +195,11 @@ class PromptResult:
         if self.nan_outputs:
             parts.append("NaN outputs")
         return "; ".join(parts)
+
+    def _fill_words(self) -> str:
+        if self.tokens_equal_fill and self.logprobs_equal_fill:
+            return "equal"
+        return "logprobs differ" if self.tokens_equal_fill else "tokens differ"
 
 
 @dataclass
@@ -237,16 +259,33 @@ def _checksums(h: EngineHandles, prompt: list[int]) -> Sums:
     window, or an interior state, by the end of the request) are left out."""
     from kvtier.testing.probe import rpc_block_checksums
 
-    blocks = h.scheduler_connector.blocks_of(prompt)
-    groups = h.scheduler_connector.groups
-    asks, positions = [], []
-    for kg, eg in enumerate(groups.engine_ids):
-        table = blocks[eg]
-        pos = [i for i in _restored_blocks(h, kg, len(prompt)) if i < len(table) and table[i]]
-        asks.append((list(groups.specs[kg].layer_names), [table[i] for i in pos]))
-        positions.append(pos)
+    positions = _restored_positions(h, prompt)
+    asks = _restored_ids(h, prompt, positions)
     per_rank = h.llm.collective_rpc(rpc_block_checksums, args=(asks,))
     return [[dict(zip(pos, sums)) for pos, sums in zip(positions, rank)] for rank in per_rank]
+
+
+def _restored_positions(h: EngineHandles, prompt: list[int]) -> list[list[int]]:
+    """Per kvtier group, the block-table positions of :func:`_restored_blocks` that vLLM's
+    table of the latest finished request with ``prompt`` still holds (not null)."""
+    blocks = h.scheduler_connector.blocks_of(prompt)
+    out = []
+    for kg, eg in enumerate(h.scheduler_connector.groups.engine_ids):
+        table = blocks[eg]
+        out.append([i for i in _restored_blocks(h, kg, len(prompt))
+                    if i < len(table) and table[i]])
+    return out
+
+
+def _restored_ids(h: EngineHandles, prompt: list[int],
+                  positions: list[list[int]] | None = None) -> list[tuple[list[str], list[int]]]:
+    """Per kvtier group, (its layer names, the block ids at ``positions``, by default
+    :func:`_restored_positions`)."""
+    blocks = h.scheduler_connector.blocks_of(prompt)
+    groups = h.scheduler_connector.groups
+    positions = positions if positions is not None else _restored_positions(h, prompt)
+    return [(list(groups.specs[kg].layer_names), [blocks[eg][i] for i in positions[kg]])
+            for kg, eg in enumerate(groups.engine_ids)]
 
 
 def _same_blocks(a: Sums, b: Sums) -> bool:
@@ -303,7 +342,8 @@ values in every float format, so a block kvtier did not restore changes the outp
 
 def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
                   cold: Sequence[Generated] | None = None,
-                  one_at_a_time: bool = False, fill_byte: int = FILL_BYTE) -> RestoreResult:
+                  one_at_a_time: bool = False, fill_byte: int = FILL_BYTE,
+                  hit_controls: bool = False) -> RestoreResult:
     """Runs A, C, fill, B (module docstring); ``cold``: run D's outputs for ``prompts``.
 
     ``one_at_a_time``: runs C and B generate each prompt alone (A still computes them
@@ -318,7 +358,10 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     ``fill_byte``: the fill's byte. ``0`` tells a restore error from outputs that depend on
     bytes no restore writes (slots past a sequence's end in its last, partial block, which
     hold the fill in B and earlier tokens in C): with zeros there, a kernel that reads them
-    before masking sees what an unused block holds, not 5.1e4."""
+    before masking sees what an unused block holds, not 5.1e4.
+
+    ``hit_controls``: runs C2 and CF (module docstring), for GPU kernels that may not be
+    deterministic; vLLM's CPU build is, and its checks leave them out."""
     if cold is not None and len(cold) != len(prompts):
         raise ValueError(f"{len(cold)} cold reference outputs for {len(prompts)} prompts")
     h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
@@ -327,9 +370,10 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     # C: vLLM's own prefix cache at the same boundary
     outs_c = ([generate(h, [p], params)[0] for p in prompts] if one_at_a_time
               else generate(h, prompts, params))
-    # C2: C again, on the same cached blocks; does vLLM's own hit reproduce itself?
-    outs_c2 = ([generate(h, [p], params)[0] for p in prompts] if one_at_a_time
-               else generate(h, prompts, params))
+    outs_c2: list[Any] = [None] * len(prompts)
+    outs_cf: list[Any] = [None] * len(prompts)
+    if hit_controls:
+        outs_c2, outs_cf = _hit_controls(h, prompts, params, one_at_a_time, fill_byte)
     stats = h.kvtier.stats
     before = (stats.loaded_tokens, stats.loads_ok, stats.loads_failed)
     outs_b, sums_b = [], []
@@ -338,9 +382,10 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
         outs_b += generate(h, group, params)
         sums_b += [_checksums(h, p) for p in group]  # before the next fill overwrites them
     c = h.kvtier.geometry.chunk_tokens
-    results = [_compare(h, p, c, a, b, oa, oc, ob, cold[i] if cold is not None else None, oc2)
-               for i, (p, a, b, oa, oc, ob, oc2) in enumerate(
-                   zip(prompts, sums_a, sums_b, outs_a, outs_c, outs_b, outs_c2))]
+    results = [_compare(h, p, c, a, b, oa, oc, ob, cold[i] if cold is not None else None,
+                        oc2, ocf)
+               for i, (p, a, b, oa, oc, ob, oc2, ocf) in enumerate(
+                   zip(prompts, sums_a, sums_b, outs_a, outs_c, outs_b, outs_c2, outs_cf))]
     return RestoreResult(
         restored_tokens=stats.loaded_tokens - before[0],
         expected_restored=sum(r.expected_restored for r in results),
@@ -350,6 +395,28 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
         cold_checked=cold is not None,
         one_at_a_time=one_at_a_time,
     )
+
+
+def _hit_controls(h: EngineHandles, prompts: list[list[int]], params: Any,
+                  one_at_a_time: bool, fill_byte: int) -> tuple[list[Any], list[Any]]:
+    """Runs C2 and CF of :func:`restore_check`, right after C. CF keeps every prompt's cached
+    blocks (those kvtier restores, which C hit) and fills the rest, before each of its runs:
+    run by run, the surroundings B gets from its own reset and fill."""
+    from kvtier.testing.probe import rpc_fill_keeping
+
+    groups = [[p] for p in prompts] if one_at_a_time else [prompts]
+    outs_c2 = [o for g in groups for o in generate(h, g, params)]
+    keep: dict[int, tuple[list[str], set[int]]] = {}
+    for p in prompts:
+        for kg, (layers, ids) in enumerate(_restored_ids(h, p)):
+            keep.setdefault(kg, (layers, set()))[1].update(ids)
+    asks = [(layers, sorted(ids)) for layers, ids in keep.values()]
+    outs_cf = []
+    for g in groups:
+        assert all(n > 0 for n in h.llm.collective_rpc(rpc_fill_keeping,
+                                                       args=(fill_byte, asks)))
+        outs_cf += generate(h, g, params)
+    return outs_c2, outs_cf
 
 
 def _reset_and_fill(h: EngineHandles, fill_byte: int = FILL_BYTE) -> None:
@@ -362,9 +429,10 @@ def _reset_and_fill(h: EngineHandles, fill_byte: int = FILL_BYTE) -> None:
 
 
 def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: Any, oc: Any,
-             ob: Any, d: Generated | None, oc2: Any = None) -> PromptResult:
+             ob: Any, d: Generated | None, oc2: Any = None, ocf: Any = None) -> PromptResult:
     """One prompt's comparisons: B's blocks against A's, B's outputs against C's (and A's,
-    and the cold run D's where given), C's against C2's where given."""
+    and the cold run D's where given), C's against C2's and CF's, and B's against CF's,
+    where given."""
     return PromptResult(
         prompt_len=len(p), expected_restored=(len(p) - 1) // chunk * chunk,
         checksums_equal=_same_blocks(a, b),
@@ -377,6 +445,10 @@ def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: A
         tokens_equal_first=same_tokens(ob, oa), logprobs_equal_first=same_logprobs(ob, oa),
         hbm_hit_repeatable=None if oc2 is None else (same_tokens(oc, oc2)
                                                      and same_logprobs(oc, oc2)),
+        hbm_hit_fill_equal=None if ocf is None else (same_tokens(oc, ocf)
+                                                     and same_logprobs(oc, ocf)),
+        tokens_equal_fill=None if ocf is None else same_tokens(ob, ocf),
+        logprobs_equal_fill=None if ocf is None else same_logprobs(ob, ocf),
         blocks_compared=_compared(h, a, b),
         tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
         nan_outputs=has_nan(ob) or has_nan(oc),
