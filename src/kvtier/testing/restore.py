@@ -152,6 +152,9 @@ class PromptResult:
     tokens_c: list[int] = field(default_factory=list)
     # B or C produced NaN logprobs: the comparison of outputs is void, the check cannot pass
     nan_outputs: bool = False
+    # every run's completion (Generated.to_json) by run name (a, b, c, and c2, cf where run):
+    # the values themselves, so runs of other sessions can be compared with these
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -452,6 +455,9 @@ def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: A
         blocks_compared=_compared(h, a, b),
         tokens_b=list(ob.outputs[0].token_ids), tokens_c=list(oc.outputs[0].token_ids),
         nan_outputs=has_nan(ob) or has_nan(oc),
+        outputs={name: Generated.of(o).to_json()
+                 for name, o in (("a", oa), ("b", ob), ("c", oc), ("c2", oc2), ("cf", ocf))
+                 if o is not None},
     )
 
 
