@@ -45,7 +45,11 @@ Verified restores (``mover.verify``, :mod:`kvtier.gpu.verify`): on the kernel pa
 and the scatter compute the checksum of what they move (fused); on the DMA path a cache-only
 pass reads the blocks on the save-kernel stream concurrently with the save's DMA (its end is
 one of the save's read events, so a fence waits for it too) and after the load's DMA (``done``
-after it). The sums reach the host before ``done``; saves store them in the slab's table
+after it). On the kernel path the sums leave the device off the kernel stream: a save's after
+its DMA, on the save's copy stream; a load's on a stream of their own (``load_sums``), after
+an event at the end of its scatter. So the next batch's kernel never waits for a
+device-to-host copy of sums, and a save's DMA never waits for one either. The sums reach the
+host before ``done``; saves store them in the slab's table
 before they are reported, loads compare them and fail on a mismatch with
 :attr:`~kvtier.transfer.Completion.corrupt` set. A load has then written its blocks; the
 failed report makes vLLM recompute them before anything reads them.
@@ -307,6 +311,9 @@ class CudaTransferEngine(TransferEngine):
         self.save_kernel, self.load_kernel = self._kernels["save"][0], self._kernels["load"][0]
         self.save_copy = runtime.stream()
         self.load_copy = runtime.stream()
+        # a staged load's checksum copy-out: neither its kernel stream (the next batch's
+        # kernel would wait for it) nor its copy stream (the next batch's upload would)
+        self.load_sums = runtime.stream()
         self.verify_sums = mover.verify
         half = (int(config.gpu_staging_size) // 2) // STAGE_ALIGN * STAGE_ALIGN
         self._groups = [self._set_up_group(g, half, dma_min_piece) for g in
@@ -776,12 +783,15 @@ class CudaTransferEngine(TransferEngine):
                            sums=None if check is None else check.device_sums())
             read.record(kern)
             if check is not None:
-                check.to_host()
+                check.reduce()
             summed = rt.event()
             summed.record(kern)
         copy.wait_event(summed)
         stage_addr = self.stage.data_ptr() + self._stage_base["save"] + off
         self._copy(chunk_descriptors(stage_addr, g.chunk_bytes, slots, True), True, copy)
+        if check is not None:  # after the DMA, on its stream: the kernel stream goes on
+            with rt.use(copy):
+                check.copy_out()
         done.record(copy)
         ring.give(off, n, done)
         return read
@@ -808,7 +818,16 @@ class CudaTransferEngine(TransferEngine):
             g.tiles.launch(self.stage, self._stage_base["load"] + off, dev_ids, False,
                            self.max_programs, self.num_warps,
                            sums=None if check is None else check.device_sums())
-            if check is not None:
-                check.to_host()
-            done.record(kern)
+            if check is None:
+                done.record(kern)
+            else:
+                check.reduce()
+                reduced = rt.event()
+                reduced.record(kern)
+        if check is not None:
+            sums = self.load_sums
+            sums.wait_event(reduced)
+            with rt.use(sums):
+                check.copy_out()
+            done.record(sums)
         ring.give(off, n, done)

@@ -52,6 +52,7 @@ class BatchCheck:
         self.rt = rt
         self.n_pos = rows.ids.size
         self.part: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None
         self.host = rt.pinned(max(1, self.n_pos), torch.int64)
 
     def device_sums(self) -> torch.Tensor:
@@ -67,12 +68,25 @@ class BatchCheck:
                                     dtype=torch.int64, device=self.rt.device)
         return self.part
 
+    def reduce(self) -> None:
+        """Reduce the partials per block position, on the current stream (the kernel's: the
+        result is allocated there). The result stays referenced by this check, and so
+        allocated, until the batch is finished, whichever stream :meth:`copy_out` uses."""
+        assert self.part is not None, "reduce before the kernel's device_sums"
+        self.reduced = self.tiles.block_sums(self.part, self.n_pos)
+
+    def copy_out(self) -> None:
+        """Copy the reduced sums to pinned memory, on the current stream, which must be
+        ordered after :meth:`reduce` (the same stream, or one waiting for an event recorded
+        after it). Not on the kernel stream, in the staged paths: a device-to-host copy
+        there holds the next batch's kernel until it completes, and it may queue behind a
+        save's DMA on the same copy engine."""
+        self.host[: self.n_pos].copy_(self.reduced, non_blocking=True)
+
     def to_host(self) -> None:
-        """Reduce per block position and copy to pinned memory, on the current stream (the
-        kernel's)."""
-        assert self.part is not None, "to_host before the kernel's device_sums"
-        self.host[: self.n_pos].copy_(self.tiles.block_sums(self.part, self.n_pos),
-                                      non_blocking=True)
+        """:meth:`reduce` and :meth:`copy_out` on the current stream (the kernel's)."""
+        self.reduce()
+        self.copy_out()
 
     def _sealed(self, shard: int) -> np.ndarray:
         r = self.rows
