@@ -459,6 +459,9 @@ class CudaTransferEngine(TransferEngine):
         if not err:
             self._finish_checks(b)
         shares = b.shares or [1.0 / len(b.job_ids)] * len(b.job_ids)
+        # a job's time runs from its first batch's start; jobs that started in this batch
+        # (every one-chunk save) take the batch's own, one event query for all of them
+        since: dict[int, float] = {id(b.start): secs}
         for job_id, share in zip(b.job_ids, shares):
             st = jobs.get(job_id)
             if st is None:
@@ -466,8 +469,10 @@ class CudaTransferEngine(TransferEngine):
             if err and not st.error:
                 st.error = err
             st.link_seconds += share * busy
-            # from the job's first batch's start: its batches ran one after another
-            st.seconds = max(st.seconds, self._elapsed(st.started, b, err, now - st.t0))
+            took = since.get(id(st.started))
+            if took is None:
+                took = since[id(st.started)] = self._elapsed(st.started, b, err, now - st.t0)
+            st.seconds = max(st.seconds, took)
             st.remaining -= 1
             if st.remaining <= 0:
                 del jobs[job_id]
