@@ -119,3 +119,51 @@ def test_saving_a_prefix_another_engine_stored_asks_the_store_once(
     finally:
         a.close()
         b.close()
+
+
+def test_a_steps_saves_of_a_request_reserve_in_one_round_trip(store: StoreProcess) -> None:
+    a = StoreTier(store.url, seed=1)
+    try:
+        toks = prompt(5)
+        a.sched.add_request("r")
+        assert a.sched.lookup("r", toks, 0) == 0
+        sent = _sent(a.index)
+        a.step(StepInput(new=[NewRequest("r", [FULL_A, STATE_A])], scheduled=[
+            ScheduledTokens("r", toks, len(toks), len(toks))]))
+        # three chunks in two groups: one question, one reserve (not one per group and
+        # chunk), then the workers' report (its commits)
+        assert sent == ["stored_or_writing", "reserve_chunks", "flush"], sent
+        assert a.sched.stats.saves_planned == a.sched.stats.saves_committed == 3
+        assert not a.sched.stats.saves_dropped
+        a.sched.request_finished("r")
+        a.step()
+        a.sched.check_drained()
+    finally:
+        a.close()
+
+
+def test_a_store_gone_before_the_reserve_drops_the_steps_saves_as_one_full(
+        store: StoreProcess) -> None:
+    """As the per-chunk loop did: the first chunk is FULL, the later ones are never tried."""
+    a = StoreTier(store.url, seed=1, retry_seconds=60)
+    try:
+        toks = prompt(5)
+        a.sched.add_request("r")
+        assert a.sched.lookup("r", toks, 0) == 0
+        a.index.stored_or_writing = (  # type: ignore[method-assign]
+            _killing_after(store, a.index.stored_or_writing))
+        a.step(StepInput(new=[NewRequest("r", [FULL_A, STATE_A])], scheduled=[
+            ScheduledTokens("r", toks, len(toks), len(toks))]))
+        assert a.sched.stats.saves_dropped == {"no_evictable_slot": 1}
+        assert a.sched.stats.saves_planned == 0 and not a.index.up
+    finally:
+        a.close()
+
+
+def _killing_after(store: StoreProcess, fn: Any) -> Any:
+    """``fn``, then the store is killed: it dies between the question and the reserve."""
+    def ask(*args: Any) -> Any:
+        answer = fn(*args)
+        store.kill()
+        return answer
+    return ask

@@ -32,13 +32,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.geometry import NULL_BLOCK, Geometry
-from kvtier.index.base import Entry, Index
+from kvtier.index.base import ChunkReserve, Entry, Index
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.keys import ExtraKeysFn, RequestKeys
 from kvtier.planner import (
@@ -128,6 +128,16 @@ class _JobState:
     state: RequestState | None = None  # the lifecycle it belongs to (ids can be reused)
     step: int = 0  # the step whose plan carried it
     corrupt: set[tuple[int, int]] = field(default_factory=set)  # (class, slot) that failed
+
+
+@dataclass
+class _SaveChoice:
+    """A chunk chosen for saving before its reserve: its groups' blocks, in group order."""
+
+    key: bytes
+    parent: bytes | None
+    wanted: list[tuple[int, list[int]]]  # (group, block ids)
+    chunk: int
 
 
 @dataclass
@@ -580,23 +590,53 @@ class OffloadScheduler:
         # starts meanwhile makes the reserve answer STORED)
         live = self.index.stored_or_writing(len(self.geometry.groups),
                                             [st.keys.keys[j] for j in todo])
-        for j in todo:
-            reason = self._save_chunk(st, j, computed_after_step, jobs, computed_before,
-                                      [per[j - todo.start] for per in live])
-            if reason is not None:
-                self.stats.saves_dropped[reason.value] += 1
-                if reason.drops_later_chunks:
-                    break  # later chunks would be orphans of this one
+        start: int | None = todo.start
+        while start is not None:
+            start = self._save_round(st, range(start, todo.stop), live, todo.start,
+                                     computed_after_step, computed_before, jobs)
         st.saved_chunks = max(st.saved_chunks, todo.stop)
         return jobs
 
-    def _save_chunk(
-        self, st: RequestState, j: int, computed_after_step: int, jobs: list[Job],
-        computed_before: int | None, live: list[bool],
-    ) -> SaveDrop | None:
-        """``live``: per group, whether chunk ``j`` is stored or being written already."""
+    # A step's saves of one request, as one chunk-by-chunk loop would make them: per chunk in
+    # order, which groups to write (none where stored or being written), the pending bound,
+    # admission, then the index's reserve of each group (a refused group aborts its chunk's
+    # others); a drop of the later chunks (SaveDrop.drops_later_chunks) ends the loop. The
+    # index is asked once: every chunk is decided first, assuming the chunks before it are
+    # reserved, then reserved at once (Index.reserve_chunks, which stops after a FULL), then
+    # the answers are walked in chunk order, counting drops and building jobs as the loop
+    # would. Where an answer proves a decision wrong (a refused reserve left room under the
+    # pending bound, or admission says no after all: SecondSight forgot the key while earlier
+    # chunks were admitted), the walk stops there and a new round decides the rest.
+    def _save_round(
+        self, st: RequestState, chunks: range, live: list[list[bool]], first: int,
+        computed_after_step: int, computed_before: int | None, jobs: list[Job],
+    ) -> int | None:
+        """Decide ``chunks``, reserve them, build their jobs (``live``: per group, per chunk
+        from ``first``). The chunk a new round starts from, or None: done."""
+        decided: list[tuple[int, _SaveChoice | SaveDrop | None]] = []
+        pending = self._pending_save_chunks
+        for j in chunks:
+            d = self._decide_save(st, j, computed_after_step, computed_before,
+                                  [per[j - first] for per in live], pending)
+            decided.append((j, d))
+            if isinstance(d, _SaveChoice):
+                pending += 1
+            elif d is not None and d.drops_later_chunks:
+                break
+        choices = [d for _, d in decided if isinstance(d, _SaveChoice)]
+        answers = self.index.reserve_chunks(
+            [ChunkReserve(c.key, c.parent, [g for g, _ in c.wanted]) for c in choices]
+        ) if choices else []
+        return self._walk_round(st, decided, iter(answers), jobs)
+
+    def _decide_save(
+        self, st: RequestState, j: int, computed_after_step: int, computed_before: int | None,
+        live: list[bool], pending: int,
+    ) -> _SaveChoice | SaveDrop | None:
+        """Chunk ``j``'s decision before its reserve, changing nothing (admission is only
+        asked what it would say); ``live``: per group, whether it is stored or being
+        written already; ``pending``: save chunks pending once the earlier ones are."""
         key = st.keys.keys[j]
-        parent = st.keys.keys[j - 1] if j > 0 else None
         wanted: list[tuple[int, list[int]]] = []
         for g in range(len(self.geometry.groups)):
             if live[g]:
@@ -609,24 +649,53 @@ class OffloadScheduler:
                 wanted.append((g, ids))
         if not wanted:
             return None
-        if self._pending_save_chunks + 1 > self.config.max_pending_saves:
+        if pending + 1 > self.config.max_pending_saves:
             return SaveDrop.QUEUE_FULL
-        if not self.admission.admit(key):
+        if not self.admission.would_admit(key):
             return SaveDrop.ADMISSION
-        entries: list[Entry] = []
-        ops: list[TransferOp] = []
-        seed = key_seed(key)
-        for g, ids in wanted:
-            e = self.index.reserve(g, key, parent)
-            if not isinstance(e, Entry):
-                for done in entries:
-                    self.index.abort(done)
-                return e
-            entries.append(e)
-            ops.append(TransferOp(g, e.slot, ids, seed))
-        job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
+        return _SaveChoice(key, st.keys.keys[j - 1] if j > 0 else None, wanted, j)
+
+    def _walk_round(
+        self, st: RequestState, decided: list[tuple[int, _SaveChoice | SaveDrop | None]],
+        answers: Iterator[list[Entry] | SaveDrop], jobs: list[Job],
+    ) -> int | None:
+        """The decisions with the index's answers, in chunk order (see above)."""
+        for j, d in decided:
+            if isinstance(d, _SaveChoice):
+                if not self.admission.admit(d.key):
+                    self._abort_answers(itertools.chain([next(answers)], answers))
+                    self.stats.saves_dropped[SaveDrop.ADMISSION.value] += 1
+                    return j + 1
+                d = self._save_job(st, d, next(answers), jobs)
+            elif (d is SaveDrop.QUEUE_FULL
+                  and self._pending_save_chunks + 1 <= self.config.max_pending_saves):
+                return j  # an earlier chunk was refused: room after all (nothing reserved past)
+            elif d is SaveDrop.ADMISSION:
+                self.admission.admit(st.keys.keys[j])  # no again (keys differ): its memory
+            if d is None:
+                continue
+            self.stats.saves_dropped[d.value] += 1
+            if d.drops_later_chunks:
+                return None  # later chunks would be orphans (the index reserved none)
+        return None
+
+    def _abort_answers(self, answers: Iterator[list[Entry] | SaveDrop]) -> None:
+        """Abort what was reserved past a decision that proved wrong, children first."""
+        for got in reversed(list(answers)):
+            if not isinstance(got, SaveDrop):
+                for e in got:
+                    self.index.abort(e)
+
+    def _save_job(self, st: RequestState, c: _SaveChoice, got: list[Entry] | SaveDrop,
+                  jobs: list[Job]) -> SaveDrop | None:
+        """The save job of a chunk the index reserved (``got``: its entries), or the drop."""
+        if isinstance(got, SaveDrop):
+            return got
+        seed = key_seed(c.key)
+        ops = [TransferOp(g, e.slot, ids, seed) for (g, ids), e in zip(c.wanted, got)]
+        job = Job(next(self._job_ids), st.req_id, ops, chunk=c.chunk)
         blocks = [(op.group, b) for op in ops for b in op.block_ids]
-        self.jobs[job.job_id] = _JobState(job, JobKind.SAVE, entries, blocks, 1)
+        self.jobs[job.job_id] = _JobState(job, JobKind.SAVE, got, blocks, 1)
         for g, b in blocks:
             self._block_jobs[g].setdefault(b, set()).add(job.job_id)
         st.save_jobs.add(job.job_id)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.protocol import SaveDrop
 
@@ -55,6 +56,15 @@ class Entry:
     def __repr__(self) -> str:
         state = "doomed" if self.doomed else ("ready" if self.ready else "writing")
         return f"Entry(g{self.group} {self.key.hex()[:8]} slot={self.slot} {state} pins={self.pins})"
+
+
+class ChunkReserve(NamedTuple):
+    """One chunk's writes asked of :meth:`Index.reserve_chunks`: ``groups`` in this order, all
+    under ``key`` (``parent_key`` for the chained groups, as :meth:`Index.reserve`)."""
+
+    key: bytes
+    parent_key: bytes | None
+    groups: Sequence[int]
 
 
 @dataclass
@@ -89,6 +99,46 @@ class Index(ABC):
     def commit(self, entry: Entry) -> bool:
         """WRITING -> READY. False when the entry was doomed meanwhile, or is a state object
         whose set or chunk is not stored (its slot is freed, with the set's other members)."""
+
+    def reserve_chunks(self, chunks: Sequence[ChunkReserve]) -> list[list[Entry] | SaveDrop]:
+        """:meth:`reserve` of each chunk's groups, chunk by chunk in order, asked at once (one
+        round trip for an index behind a socket). Per chunk answered: its entries (one per
+        group, in ``groups`` order), or the drop of its first refused group, the entries of
+        its earlier groups aborted. After a drop whose
+        :attr:`~kvtier.protocol.SaveDrop.drops_later_chunks` is true nothing more is reserved
+        and the answer ends (it is shorter than ``chunks``): a later chunk would be an orphan,
+        and reserving it could evict a stored chunk for nothing. If a reserve raises, every
+        entry of this call is aborted first."""
+        out: list[list[Entry] | SaveDrop] = []
+        try:
+            for c in chunks:
+                got = self._reserve_chunk(c)
+                out.append(got)
+                if isinstance(got, SaveDrop) and got.drops_later_chunks:
+                    break
+        except BaseException:
+            for entries in reversed(out):
+                if not isinstance(entries, SaveDrop):
+                    for e in reversed(entries):
+                        self.abort(e)
+            raise
+        return out
+
+    def _reserve_chunk(self, c: ChunkReserve) -> list[Entry] | SaveDrop:
+        entries: list[Entry] = []
+        try:
+            for g in c.groups:
+                e = self.reserve(g, c.key, c.parent_key)
+                if not isinstance(e, Entry):
+                    for done in entries:  # the chunk is one unit: none of it is written
+                        self.abort(done)
+                    return e
+                entries.append(e)
+        except BaseException:
+            for done in reversed(entries):
+                self.abort(done)
+            raise
+        return entries
 
     def stored_or_writing(self, num_groups: int, keys: Sequence[bytes]) -> list[list[bool]]:
         """For each of the first ``num_groups`` groups, whether each of ``keys`` has a live

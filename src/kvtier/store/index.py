@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.geometry import Geometry
-from kvtier.index.base import Entry, Index, IndexStats
+from kvtier.index.base import ChunkReserve, Entry, Index, IndexStats
 from kvtier.index.memory import GroupIndexSpec
 from kvtier.protocol import SaveDrop
 from kvtier.slab import SlabLayout
@@ -281,6 +281,23 @@ class StoreIndex(Index):
         if "drop" in r:
             return SaveDrop(r["drop"])
         return StoreEntry(group, key, int(r["slot"]), int(r["h"]), self.epoch)
+
+    def reserve_chunks(self, chunks: Sequence[ChunkReserve]) -> list[list[Entry] | SaveDrop]:
+        """One round trip (the store stops after a FULL, as the contract says); while down,
+        or when the request fails in the store, the first chunk is FULL and nothing else."""
+        if not chunks:
+            return []
+        try:
+            r = self._call("reserve_chunks",
+                           chunks=[[c.key, c.parent_key, list(c.groups)] for c in chunks])
+        except StoreDown:
+            return [SaveDrop.FULL]
+        out: list[list[Entry] | SaveDrop] = []
+        for c, got in zip(chunks, r):
+            out.append(SaveDrop(got) if isinstance(got, str) else
+                       [StoreEntry(g, c.key, int(slot), int(h), self.epoch)
+                        for g, (h, slot) in zip(c.groups, got)])
+        return out
 
     def commit(self, entry: Entry) -> bool:
         if not self._live(entry):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.index.base import Entry
+from kvtier.index.base import ChunkReserve, Entry
 from kvtier.store.leases import ClientHolds
 from kvtier.store.space import Space
 
@@ -97,6 +97,24 @@ def reserve(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -
     return {"h": holds.add_write(e), "slot": e.slot}
 
 
+def reserve_chunks(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
+    """One request's saves of one step (:meth:`kvtier.index.base.Index.reserve_chunks`):
+    ``chunks`` is ``[[key, parent, [group, ...]], ...]``; the answer has one item per chunk
+    answered: ``[[handle, slot], ...]`` (one per group) or the drop's value. It stops after a
+    drop of the later chunks (FULL), so nothing is reserved, nor evicted, past it."""
+    asked = [ChunkReserve(bytes(k), None if p is None else bytes(p), [int(g) for g in gs])
+             for k, p, gs in msg["chunks"]]
+    out: list[Any] = []
+    for got in space.index.reserve_chunks(asked):
+        if not isinstance(got, list):
+            out.append(got.value)
+            continue
+        out.append([[holds.add_write(e), e.slot] for e in got])
+        if space.tier is not None:
+            space.tier.saves += len(got)  # the burst its demotions leave room for
+    return out
+
+
 def commit(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> Any:
     e = holds.end_write(int(msg["h"]))
     done = space.index.commit(e)
@@ -177,7 +195,8 @@ def check(space: Space, holds: ClientHolds, msg: dict[str, Any], ttl: float) -> 
     space.index.check_invariants()
 
 
-OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve, commit, abort,
+OPS: dict[str, Op] = {f.__name__: f for f in (match, is_ready, view, get, reserve,
+                                               reserve_chunks, commit, abort,
                                                pin, unpin, discard, touch, reset, stats, check,
                                                stored_or_writing, flush, promote, promoted,
                                                discover, forget)}
