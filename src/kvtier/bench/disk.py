@@ -98,12 +98,10 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int
 
 
 def _page_aligned(nbytes: int) -> Any:
-    """``nbytes`` of page-aligned memory (an anonymous mapping), as the slab's slots are."""
-    import mmap
+    """``nbytes`` of memory allocated as the private slab's (huge-page backed)."""
+    from kvtier.huge_pages import huge_page_buffer
 
-    import torch
-
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return huge_page_buffer(nbytes)[1]
 
 
 def _fsync_tree(d: Path) -> None:
