@@ -1,13 +1,14 @@
 """Private host memory backed by transparent huge pages, for bytes a block device moves
 directly (O_DIRECT): the private slab, the disk tier's staging buffers.
 
-Why (measured on the CI machine's virtio disk, ext4, 2 MiB chunks, O_DIRECT, cold;
-bench/results/2026-12-02-disk-requests): the kernel gives a direct I/O one request segment per
-physically contiguous run of the buffer, and the device caps a request's segments, so a buffer
-of scattered 4 KiB pages splits every 2 MiB read or write into four 512 KiB requests
-(0.8-1.1 GB/s read at queue depth 1, 2 or 4), while a buffer of 2 MiB huge pages moves in one
-request (1.9-2.5 GB/s read). Whether ``dd``'s own buffer is contiguous is luck, hence its
-bimodal bandwidth on that disk.
+Why (measured on the CI machine's virtio disk, ext4, 2 MiB chunks, O_DIRECT, cold, 2026-12-02;
+``kvtier bench disk`` prints the KiB per request of every pass): the kernel gives a direct I/O
+one request segment per physically contiguous run of the buffer, and the device caps a
+request's segments, so a buffer of scattered 4 KiB pages splits every 2 MiB read or write into
+four 512 KiB requests (0.8-1.1 GB/s read at queue depth 1, 2 or 4, the same file), while a
+buffer of 2 MiB huge pages moves in one request (1.9-2.5 GB/s read). Whether ``dd``'s own
+buffer is contiguous is luck, hence its bimodal bandwidth on that disk (0.8-1.2 GB/s in 512 KiB
+requests, 1.4-2.3 in 2 MiB ones).
 
 The mapping is MAP_PRIVATE: transparent huge pages apply to private anonymous memory (THP
 ``enabled`` = ``always`` or ``madvise``; this asks with ``MADV_HUGEPAGE``), while

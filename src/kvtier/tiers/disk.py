@@ -54,7 +54,9 @@ DEFAULT_IO_DEPTH = 4
 """Chunks in flight per shard. On the CI machine's virtio disk (ext4, 2 MiB chunks, O_DIRECT,
 2 shared cores) reads reached 44-71% of ``dd``'s bandwidth one chunk at a time, 51-65% two
 at a time, 77-101% four at a time, 73% at eight (the cores oversubscribed; ``kvtier bench disk
---io-depth``, bench/results/2026-12-01-disk-cpu); NVMe devices want more, never fewer."""
+--io-depth``, bench/results/2026-12-01-disk-cpu; then from 4 KiB pages, every chunk four
+requests; from huge pages raw reads ran alike at depth 1, 2 and 4, and 4 keeps the checksums
+of some chunks beside the reads of others); NVMe devices want more, never fewer."""
 
 
 def _align(n: int, a: int = PAGE) -> int:
