@@ -17,16 +17,21 @@ def thp_available() -> bool:
     return THP.exists() and "[never]" not in THP.read_text()
 
 
-def anon_huge_bytes(addr: int) -> int:
-    """AnonHugePages of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
+def smaps_field(addr: int, field: str) -> str:
+    """``field`` of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
     current = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             current = int(m.group(1), 16) <= addr < int(m.group(2), 16)
-        elif current and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {addr:#x}")
+        elif current and line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no mapping holds {addr:#x}, or it has no {field}")
+
+
+def anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping that holds ``addr``."""
+    return int(smaps_field(addr, "AnonHugePages").split()[0]) * 1024
 
 
 def test_the_buffer_is_zeroed_writable_and_starts_on_a_huge_page() -> None:
@@ -47,3 +52,12 @@ def test_the_buffer_is_backed_by_huge_pages() -> None:
     t.fill_(1)
     assert anon_huge_bytes(t.data_ptr()) >= 2 * HUGE_PAGE
     del t
+
+
+def test_a_forked_child_does_not_get_the_memory() -> None:
+    """MADV_DONTFORK ("dc" in the mapping's VmFlags): a fork does not copy the private
+    mapping (pinned pages would be copied eagerly), as the shared one it replaces did not."""
+    mapping, t = huge_page_buffer(HUGE_PAGE)
+    assert "dc" in smaps_field(t.data_ptr(), "VmFlags").split()
+    del t
+    mapping.close()

@@ -16,6 +16,11 @@ The mapping is MAP_PRIVATE: transparent huge pages apply to private anonymous me
 ``shmem_enabled`` says otherwise. Where THP is off or no huge page is free the memory is plain
 4 KiB pages: nothing changes but speed. The memory is zeroed and committed on first touch, a
 huge page at a time.
+
+``MADV_DONTFORK``: a child forked from this process does not get the mapping. A private
+mapping would otherwise be copied for the child, eagerly where pages are pinned for DMA
+(``cudaHostRegister``: the kernel copies pinned anonymous pages at fork), i.e. the whole slab;
+the shared mapping this replaces cost a fork nothing, and no child uses this memory.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ def huge_page_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     nbytes = max(nbytes, 1)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE - mmap.PAGESIZE,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        if hasattr(mmap, advice):
+            mapping.madvise(getattr(mmap, advice))
     probe = np.frombuffer(mapping, dtype=np.uint8, count=1)
     offset = -probe.ctypes.data % HUGE_PAGE
     del probe  # its buffer export would keep the mapping from closing
