@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier import cli
+from kvtier.bench.disk import DeviceRequests
 
 
 def test_bench_disk_writes_pairs_medians_and_the_rebuild(tmp_path: Path,
@@ -20,9 +21,14 @@ def test_bench_disk_writes_pairs_medians_and_the_rebuild(tmp_path: Path,
     assert rc in (0, None)
     result = json.loads((out / "disk.json").read_text())
     assert (out / "disk.png").stat().st_size > 0
+    on_a_device = DeviceRequests(tmp_path)._stat is not None
     for k in ("tier_write", "tier_read", "dd_write", "dd_read"):
         g = result["gbps"][k]
         assert len(g["passes"]) == 2 and g["min"] <= g["median"] <= g["max"] and g["min"] > 0
+        # the device's mean request size per pass (what says whether a dd pass was a fair
+        # ceiling); none off a block device
+        assert len(g["request_kib"]) == (2 if on_a_device else 0)
+        assert all(kib > 0 for kib in g["request_kib"])
     assert set(result["tier_vs_dd"]) == {"write", "read"}
     assert result["rebuild"]["chunks"] == 200
     printed = capsys.readouterr().out

@@ -10,6 +10,7 @@ import torch
 from kvtier.config import ConfigError
 from kvtier.gpu.pinning import CudaPinner
 from kvtier.slab import HostSlab, SlabError, SlotAllocator, lay_out_slab, pin_ranges
+from tests.test_huge_pages import anon_huge_bytes, thp_available
 
 MiB = 2**20
 
@@ -86,6 +87,17 @@ def test_private_slab_slots_start_on_pages() -> None:
     slab = HostSlab(layout)
     for cls, c in enumerate(layout.classes):
         assert {slab.view(cls, i).data_ptr() % 4096 for i in range(c.num_slots)} == {0}
+    slab.close()
+
+
+@pytest.mark.skipif(not thp_available(), reason="transparent huge pages are off on this kernel")
+def test_private_slab_memory_is_huge_pages() -> None:
+    """A disk read or write of a 2 MiB slot is one device request only where the slot's
+    memory is physically contiguous (kvtier.huge_pages): the private slab is huge pages."""
+    layout = lay_out_slab(16 * MiB, [2 * MiB])
+    slab = HostSlab(layout)
+    slab.buffer.fill_(1)
+    assert anon_huge_bytes(slab.buffer.data_ptr()) >= 4 * MiB
     slab.close()
 
 

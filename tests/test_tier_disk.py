@@ -137,6 +137,25 @@ def test_a_page_aligned_slot_is_read_in_place_and_still_verified(tmp_path: Path)
     s.close()
 
 
+def test_a_slot_written_in_place_makes_the_same_file_as_a_staged_copy(tmp_path: Path) -> None:
+    """A page-aligned slot is written straight from the slab (no staging copy); the file is
+    byte for byte the one a staged write makes, and reads back verified either way."""
+    data = payload(2 * PAGE, 9)
+    slot = page_aligned(1, 2 * PAGE)[0].copy_(data)
+    unaligned = torch.empty(2 * PAGE + 8, dtype=torch.uint8)[8:].copy_(data)
+    files = []
+    for i, src in enumerate((slot, unaligned)):
+        s = DiskChunkStore(namespace_dir(tmp_path / str(i), NS), 0, NS)
+        assert s._lands_in_place(src) == (i == 0)
+        s.put(0, key(1), key(0), src)
+        out = torch.zeros(2 * PAGE, dtype=torch.uint8)
+        assert s.get(0, key(1), key(0), out) == file_bytes(2 * PAGE) and torch.equal(out, data)
+        s.close()
+        files.append((shard_dir(namespace_dir(tmp_path / str(i), NS), 0)
+                      / chunk_name(0, key(1), key(0))).read_bytes())
+    assert files[0] == files[1] and len(files[0]) == file_bytes(2 * PAGE)
+
+
 @pytest.mark.parametrize("aligned", [False, True], ids=["staged", "in-place"])
 def test_runner_reports_each_job_and_names_the_chunk_that_did_not_verify(
         tmp_path: Path, kvtier_caplog: pytest.LogCaptureFixture, aligned: bool) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from kvtier.config import format_bytes
 from kvtier.hostmem import check_dram_size
+from kvtier.huge_pages import huge_page_buffer
 from kvtier.shm import SharedSlab, SlabError, map_shared_segment
 
 ALIGN = 4096
@@ -234,10 +235,10 @@ class HostSlab:
                                            offset=region[1])
         elif shared is None:
             check_dram_size(total)  # MemAvailable and the cgroup's headroom (ConfigError)
-            # an anonymous mapping, not torch.empty (64-byte aligned): page-aligned slots,
-            # so the disk tier's O_DIRECT reads land in them without a staging copy
-            self._mmap = mmap.mmap(-1, max(total, 1))
-            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(total, 1))
+            # private huge-page memory, not torch.empty (64-byte aligned): page-aligned
+            # slots, so the disk tier's O_DIRECT reads and writes move them without a
+            # staging copy, each chunk in one device request (kvtier.huge_pages)
+            self._mmap, self.buffer = huge_page_buffer(total)
             self.buffer = self.buffer[:total]
         else:
             self.buffer = self._map_shared(shared, total)

@@ -12,13 +12,13 @@ the tiers above it end), so a slow remote store never holds back what the disk r
 
 from __future__ import annotations
 
-import mmap
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from kvtier.huge_pages import huge_page_buffer
 from kvtier.tiers.seam import ChunkStore, TierJob, TierJobKind, TierOp, TierRunner
 
 PAGE = 4096
@@ -59,7 +59,7 @@ def probe(store: ChunkStore, chunk_bytes: int, chunks: int | None = None,
     memory like the slab's slots (default: twice that depth, at least 4, so the queue is kept
     full). The probe chunks are deleted again (they live under a key no chunk hashes to)."""
     n = chunks or max(4, 2 * store.max_in_flight)
-    slots = torch.frombuffer(mmap.mmap(-1, (n + 1) * chunk_bytes), dtype=torch.uint8)
+    _, slots = huge_page_buffer((n + 1) * chunk_bytes)  # as the slab's
     slots = slots.view(n + 1, chunk_bytes)
     slots.copy_(torch.randint(0, 256, slots.shape, dtype=torch.uint8))
     small = slots[0, :PAGE]

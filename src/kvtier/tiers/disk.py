@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvtier.checksum import checksum, chunk_seed
+from kvtier.huge_pages import huge_page_buffer
 from kvtier.keys import KEY_BYTES
 from kvtier.tiers.seam import ChunkCorrupt, ChunkStore, TierFull
 
@@ -53,7 +54,9 @@ DEFAULT_IO_DEPTH = 4
 """Chunks in flight per shard. On the CI machine's virtio disk (ext4, 2 MiB chunks, O_DIRECT,
 2 shared cores) reads reached 44-71% of ``dd``'s bandwidth one chunk at a time, 51-65% two
 at a time, 77-101% four at a time, 73% at eight (the cores oversubscribed; ``kvtier bench disk
---io-depth``, bench/results/2026-12-01-disk-cpu); NVMe devices want more, never fewer."""
+--io-depth``, bench/results/2026-12-01-disk-cpu; then from 4 KiB pages, every chunk four
+requests; from huge pages raw reads ran alike at depth 1, 2 and 4, and 4 keeps the checksums
+of some chunks beside the reads of others); NVMe devices want more, never fewer."""
 
 
 def _align(n: int, a: int = PAGE) -> int:
@@ -111,10 +114,11 @@ class DiskChunkStore(ChunkStore):
     to buffered I/O, which changes nothing but speed.
 
     ``io_depth`` (:attr:`max_in_flight`): chunks that may be written or read at once, each on
-    its own thread with its own page-aligned staging buffer. One chunk file is one write or
-    one read of the whole file, at queue depth 1; a disk reaches its sequential bandwidth only
-    with several in flight (measured with ``kvtier bench disk``, see ``DEFAULT_IO_DEPTH``),
-    and the checksum of one chunk is computed while another one's bytes move.
+    its own thread with its own staging buffers. One chunk file is one write or one read of
+    the whole file (the header page and the payload, one ``pwritev``/``preadv``), at queue
+    depth 1; the checksum of one chunk is computed while another one's bytes move. A slot that
+    starts on a page (the slab's) is read and written in place; its memory being huge pages
+    (:mod:`kvtier.huge_pages`) makes a chunk one device request.
     """
 
     def __init__(self, root: Path, shard: int, namespace: bytes, direct: bool = True,
@@ -126,21 +130,14 @@ class DiskChunkStore(ChunkStore):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.max_in_flight = max(1, io_depth)
-        self._buffers: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}  # per thread
+        self._staging: dict[int, _Staging] = {}  # per I/O thread
         self._lock = threading.Lock()
 
-    # -- staging: page-aligned memory, as O_DIRECT needs, one buffer per I/O thread ----------
-    def _staging(self, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    def _mine(self) -> _Staging:
+        """This thread's staging buffers (an I/O thread moves one chunk at a time)."""
         me = threading.get_ident()
         with self._lock:
-            have = self._buffers.get(me)
-        if have is not None and len(have[0]) >= nbytes:
-            return have
-        buf = mmap.mmap(-1, _align(nbytes, 1 << 20))
-        made = (buf, torch.frombuffer(buf, dtype=torch.uint8))
-        with self._lock:
-            self._buffers[me] = made
-        return made
+            return self._staging.setdefault(me, _Staging())
 
     def _open(self, path: Path, flags: int) -> int:
         if self.direct:
@@ -152,24 +149,37 @@ class DiskChunkStore(ChunkStore):
                 self.direct = False  # the filesystem refuses O_DIRECT
         return os.open(path, flags, 0o644)
 
+    def _lands_in_place(self, data: torch.Tensor) -> bool:
+        """Whether the device may move ``data``'s bytes directly (no staging copy): its
+        length is whole pages (no padding on disk) and, under O_DIRECT, its address is
+        page-aligned (the device DMAs there), as the slab's slots are."""
+        return (data.is_contiguous() and data.numel() % PAGE == 0
+                and (not self.direct or data.data_ptr() % PAGE == 0))
+
     # -- ChunkStore ------------------------------------------------------------------------------
     def put(self, group: int, key: bytes, parent: bytes | None, data: torch.Tensor) -> int:
+        """Write the chunk's file in one I/O: the header page, then the payload straight
+        from ``data`` when it can be moved in place (the slot is kept from reuse until the
+        job is reported), else from a staging copy padded to whole pages."""
         n = data.numel()
         total = file_bytes(n)
-        buf, t = self._staging(total)
-        body = t[PAGE : total]
-        # NumPy copies: torch's copy_ of a buffer this size costs several times more under a
-        # loaded CPU (its intra-op threads), measured with kvtier bench disk
-        np.copyto(body[:n].numpy(), data.numpy())
-        body[n:].numpy().fill(0)
-        self._write_header(buf, group, key, parent, n,
+        staging = self._mine()
+        if self._lands_in_place(data):
+            body = data
+        else:
+            body = staging.body(total - PAGE)
+            # NumPy copies: torch's copy_ of a buffer this size costs several times more
+            # under a loaded CPU (its intra-op threads), measured with kvtier bench disk
+            np.copyto(body[:n].numpy(), data.numpy())
+            body[n:].numpy().fill(0)
+        self._write_header(staging.head, group, key, parent, n,
                            checksum(body, chunk_seed(key, group, self.shard)))
         final = self.dir / chunk_name(group, key, parent)
         tmp = self.dir / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                written = os.pwritev(fd, [memoryview(buf)[:total]], 0)  # one I/O: the file
+                written = os.pwritev(fd, [staging.head, memoryview(body.numpy())], 0)
             finally:
                 os.close(fd)
             if written != total:
@@ -183,13 +193,13 @@ class DiskChunkStore(ChunkStore):
             raise
         return total
 
-    def _write_header(self, buf: mmap.mmap, group: int, key: bytes, parent: bytes | None,
+    def _write_header(self, page: memoryview, group: int, key: bytes, parent: bytes | None,
                       n: int, digest: int) -> None:
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, group, self.shard, 0, n, digest,
-                          self.namespace, key, parent or bytes(KEY_BYTES), parent is not None)
-        head += hashlib.blake2b(head, digest_size=_DIGEST).digest()
-        buf[: len(head)] = head
-        buf[len(head) : PAGE] = bytes(PAGE - len(head))
+        fields = _HEAD.pack(MAGIC, FORMAT_VERSION, group, self.shard, 0, n, digest,
+                            self.namespace, key, parent or bytes(KEY_BYTES), parent is not None)
+        fields += hashlib.blake2b(fields, digest_size=_DIGEST).digest()
+        page[: len(fields)] = fields
+        page[len(fields) : PAGE] = bytes(PAGE - len(fields))
 
     def get(self, group: int, key: bytes, parent: bytes | None, out: torch.Tensor) -> int:
         """Read the chunk's file in one I/O and verify it. When ``out`` can take the payload
@@ -204,34 +214,26 @@ class DiskChunkStore(ChunkStore):
             fd = self._open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(f"{path.name} is not on disk") from None
+        staging = self._mine()
         in_place = self._lands_in_place(out)
-        buf, t = self._staging(PAGE if in_place else total)
+        body = out if in_place else staging.body(total - PAGE)
         try:
             size = os.fstat(fd).st_size
             if size != total:
                 raise ChunkCorrupt(f"{path.name}: {size} bytes, expected {total}")
-            # one I/O: the file (the views are temporaries: none outlives the call, so the
-            # staging map can close)
-            got = os.preadv(fd, [memoryview(buf)[:PAGE], memoryview(out.numpy())] if in_place
-                            else [memoryview(buf)[:total]], 0)
+            got = os.preadv(fd, [staging.head, memoryview(body.numpy())], 0)  # one I/O
         finally:
             os.close(fd)
         if got != total:
             raise ChunkCorrupt(f"{path.name}: short read ({got} of {total} bytes)")
-        self._verify_header(bytes(buf[: _HEAD.size + _DIGEST]), group, key, parent, n, path)
-        stored = _HEAD.unpack(bytes(buf[: _HEAD.size]))[6]
-        payload = out if in_place else t[PAGE:total]
-        if checksum(payload, chunk_seed(key, group, self.shard)) != stored:
+        head = bytes(staging.head[: _HEAD.size + _DIGEST])
+        self._verify_header(head, group, key, parent, n, path)
+        stored = _HEAD.unpack(head[: _HEAD.size])[6]
+        if checksum(body, chunk_seed(key, group, self.shard)) != stored:
             raise ChunkCorrupt(f"{path.name}: checksum mismatch")
         if not in_place:
-            np.copyto(out.numpy(), t[PAGE : PAGE + n].numpy())
+            np.copyto(out.numpy(), body[:n].numpy())
         return total
-
-    def _lands_in_place(self, out: torch.Tensor) -> bool:
-        """Whether a read may fill ``out`` directly: its length is whole pages (no padding
-        on disk) and, under O_DIRECT, its address is page-aligned (the device DMAs there)."""
-        return (out.is_contiguous() and out.numel() % PAGE == 0
-                and (not self.direct or out.data_ptr() % PAGE == 0))
 
     def _verify_header(self, raw: bytes, group: int, key: bytes, parent: bytes | None,
                        n: int, path: Path) -> None:
@@ -250,7 +252,35 @@ class DiskChunkStore(ChunkStore):
 
     def close(self) -> None:
         with self._lock:
-            mapped = [buf for buf, _ in self._buffers.values()]
-            self._buffers = {}  # drops the tensors over the maps, so they can close
-        for buf in mapped:
-            buf.close()
+            staging, self._staging = list(self._staging.values()), {}
+        for st in staging:
+            st.close()
+
+
+class _Staging:
+    """One I/O thread's page-aligned buffers: the header page of every read and write, and
+    (made on first need, grown as needed) a payload buffer for chunks that cannot move in
+    place. The payload buffer is huge-page backed, so a staged chunk too is one request."""
+
+    def __init__(self) -> None:
+        self._head_map = mmap.mmap(-1, PAGE)
+        self.head = memoryview(self._head_map)
+        self._body: tuple[mmap.mmap, torch.Tensor] | None = None
+
+    def body(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` (whole pages) of the payload buffer."""
+        if self._body is None or self._body[1].numel() < nbytes:
+            self._close_body()
+            self._body = huge_page_buffer(nbytes)
+        return self._body[1][:nbytes]
+
+    def _close_body(self) -> None:
+        if self._body is not None:
+            mapping, self._body = self._body[0], None  # drops the tensor over the map
+            with contextlib.suppress(BufferError):  # a view still alive: goes with the process
+                mapping.close()
+
+    def close(self) -> None:
+        self._close_body()
+        self.head.release()
+        self._head_map.close()
