@@ -31,32 +31,50 @@ READY = re.compile(r"kvtier serve: ready\. OpenAI API (\S+)/v1 ; metrics (\S+/me
 C = 256
 
 
+def _command(model: str, port: int, prefix: str) -> list[str]:
+    return [sys.executable, "-m", "kvtier.cli", "serve", model, "--dram-size", "16MiB",
+            "--kvtier-set", "cost_model=false", "--kvtier-set",
+            f"remote_url=redis://127.0.0.1:{port}", "--kvtier-set", f"remote_key_prefix={prefix}",
+            "--kvtier-set", "remote_timeout_ms=2000", "--host", "127.0.0.1",
+            "--port", str(free_port()), "--load-format", "dummy", "--dtype", "float32",
+            "--block-size", "32", "--skip-tokenizer-init", "--enforce-eager",
+            "--max-model-len", "1024", "--num-gpu-blocks-override", "80", "--max-num-seqs", "2",
+            "--seed", "0"]
+
+
 @contextmanager
-def serve(model: str, port: int, prefix: str, log: Path) -> Iterator[str]:
+def servers(model: str, port: int, prefix: str, logs: list[Path]) -> Iterator[list[str]]:
+    """One ``kvtier serve`` per log, all started at once (each start is most of a minute on
+    two cores), their API URLs once every one is ready; SIGTERM to each at the end."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", model, "--dram-size", "16MiB",
-           "--kvtier-set", "cost_model=false", "--kvtier-set",
-           f"remote_url=redis://127.0.0.1:{port}", "--kvtier-set", f"remote_key_prefix={prefix}",
-           "--kvtier-set", "remote_timeout_ms=2000", "--host", "127.0.0.1",
-           "--port", str(free_port()), "--load-format", "dummy", "--dtype", "float32",
-           "--block-size", "32", "--skip-tokenizer-init", "--enforce-eager",
-           "--max-model-len", "1024", "--num-gpu-blocks-override", "80", "--max-num-seqs", "2",
-           "--seed", "0"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    procs = []
     try:
-        deadline, m = time.monotonic() + 600, None
-        while m is None and time.monotonic() < deadline and proc.poll() is None:
+        for log in logs:
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(_command(model, port, prefix), stdout=f,
+                                              stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        urls: list[str | None] = [None] * len(logs)
+        deadline = time.monotonic() + 600
+        while None in urls and time.monotonic() < deadline:
             time.sleep(1)
-            m = READY.search(log.read_text(errors="replace"))
-        if m is None:
-            pytest.fail(f"kvtier serve did not get ready: {log.read_text()[-3000:]}")
-        yield m.group(1)
+            for i, (proc, log) in enumerate(zip(procs, logs)):
+                if urls[i] is None:
+                    m = READY.search(log.read_text(errors="replace"))
+                    if m is not None:
+                        urls[i] = m.group(1)
+                    elif proc.poll() is not None:
+                        pytest.fail(f"kvtier serve exited: {log.read_text()[-3000:]}")
+        for url, log in zip(urls, logs):
+            if url is None:
+                pytest.fail(f"kvtier serve did not get ready: {log.read_text()[-3000:]}")
+        yield [u for u in urls if u is not None]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
@@ -85,8 +103,8 @@ def test_two_servers_one_store(tiny_llama_dir: str, tmp_path: Path) -> None:
     prefix = unique_prefix()
     p = prompt(3 * C + 5, seed=23)
     try:
-        with serve(tiny_llama_dir, port, prefix, tmp_path / "a.log") as a, \
-                serve(tiny_llama_dir, port, prefix, tmp_path / "b.log") as b:
+        with servers(tiny_llama_dir, port, prefix,
+                     [tmp_path / "a.log", tmp_path / "b.log"]) as (a, b):
             asyncio.run(complete(a, p))  # computed and written through
             hbm_hit = asyncio.run(complete(a, p))  # the first server's own prefix-cache hit
             for _ in range(60):
@@ -99,8 +117,8 @@ def test_two_servers_one_store(tiny_llama_dir: str, tmp_path: Path) -> None:
             assert metric(b, "vllm:kvtier_remote_hit_tokens_total") == 3 * C
             assert metric(b, "vllm:kvtier_restored_tokens_total") == 3 * C
             assert metric(b, "vllm:kvtier_remote_chunks_total", event="discovered") == 3
-        with serve(tiny_llama_dir, port, prefix, tmp_path / "a2.log") as a, \
-                serve(tiny_llama_dir, port, prefix, tmp_path / "b2.log") as b:
+        with servers(tiny_llama_dir, port, prefix,
+                     [tmp_path / "a2.log", tmp_path / "b2.log"]) as (a, b):
             for url in (a, b):  # both restarted: each restores from the store alone
                 assert asyncio.run(complete(url, p)) == hbm_hit
                 assert metric(url, "vllm:kvtier_remote_hit_tokens_total") == 3 * C
