@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 
-from kvtier.checksum import key_seed
 from kvtier.config import KvtierConfig
 from kvtier.index.base import Entry
 from kvtier.layout import GroupKind
 from kvtier.planner import Geometry, GroupGeometry, chunks_to_save, make_slab_layout
-from kvtier.protocol import Job, JobKind, SaveDrop, TransferOp, WorkerReport
-from kvtier.scheduler import NewRequest, OffloadScheduler, ScheduledTokens, StepInput, _JobState
+from kvtier.protocol import Job, SaveDrop, WorkerReport
+from kvtier.scheduler import NewRequest, OffloadScheduler, ScheduledTokens, StepInput, _SaveChoice
 
 C, BLOCK = 32, 16
 GEOMETRY = Geometry(C, (
@@ -87,27 +86,16 @@ class PerChunkScheduler(OffloadScheduler):
         if not self.admission.admit(key):
             return SaveDrop.ADMISSION
         entries: list[Entry] = []
-        ops: list[TransferOp] = []
-        for g, ids in wanted:
+        for g, _ids in wanted:
             e = self.index.reserve(g, key, parent)
             if not isinstance(e, Entry):
                 for done in entries:
                     self.index.abort(done)
                 return e
             entries.append(e)
-            ops.append(TransferOp(g, e.slot, ids, key_seed(key)))
-        job = Job(next(self._job_ids), st.req_id, ops, chunk=j)
-        blocks = [(op.group, b) for op in ops for b in op.block_ids]
-        self.jobs[job.job_id] = _JobState(job, JobKind.SAVE, entries, blocks, 1)
-        for g, b in blocks:
-            self._block_jobs[g].setdefault(b, set()).add(job.job_id)
-        st.save_jobs.add(job.job_id)
-        self.jobs[job.job_id].state = st
-        self._pending_save_chunks += 1
-        self._step_saves.append(job)
-        self.stats.saves_planned += 1
-        jobs.append(job)
-        return None
+        # the job's bookkeeping is the production's (what this reference pins is the order of
+        # decisions and reserves, not the building of a job from its entries)
+        return self._save_job(st, _SaveChoice(key, parent, wanted, j), entries, jobs)
 
 
 def _pair(rng: random.Random) -> tuple[OffloadScheduler, OffloadScheduler]:
