@@ -262,33 +262,25 @@ def _checksums(h: EngineHandles, prompt: list[int]) -> Sums:
     window, or an interior state, by the end of the request) are left out."""
     from kvtier.testing.probe import rpc_block_checksums
 
-    positions = _restored_positions(h, prompt)
-    asks = _restored_ids(h, prompt, positions)
+    positions, asks = _restored(h, prompt)
     per_rank = h.llm.collective_rpc(rpc_block_checksums, args=(asks,))
     return [[dict(zip(pos, sums)) for pos, sums in zip(positions, rank)] for rank in per_rank]
 
 
-def _restored_positions(h: EngineHandles, prompt: list[int]) -> list[list[int]]:
+def _restored(h: EngineHandles, prompt: list[int]
+              ) -> tuple[list[list[int]], list[tuple[list[str], list[int]]]]:
     """Per kvtier group, the block-table positions of :func:`_restored_blocks` that vLLM's
-    table of the latest finished request with ``prompt`` still holds (not null)."""
-    blocks = h.scheduler_connector.blocks_of(prompt)
-    out = []
-    for kg, eg in enumerate(h.scheduler_connector.groups.engine_ids):
-        table = blocks[eg]
-        out.append([i for i in _restored_blocks(h, kg, len(prompt))
-                    if i < len(table) and table[i]])
-    return out
-
-
-def _restored_ids(h: EngineHandles, prompt: list[int],
-                  positions: list[list[int]] | None = None) -> list[tuple[list[str], list[int]]]:
-    """Per kvtier group, (its layer names, the block ids at ``positions``, by default
-    :func:`_restored_positions`)."""
+    table of the latest finished request with ``prompt`` still holds (not null), and (the
+    group's layer names, the block ids at those positions)."""
     blocks = h.scheduler_connector.blocks_of(prompt)
     groups = h.scheduler_connector.groups
-    positions = positions if positions is not None else _restored_positions(h, prompt)
-    return [(list(groups.specs[kg].layer_names), [blocks[eg][i] for i in positions[kg]])
-            for kg, eg in enumerate(groups.engine_ids)]
+    positions, asks = [], []
+    for kg, eg in enumerate(groups.engine_ids):
+        table = blocks[eg]
+        pos = [i for i in _restored_blocks(h, kg, len(prompt)) if i < len(table) and table[i]]
+        positions.append(pos)
+        asks.append((list(groups.specs[kg].layer_names), [table[i] for i in pos]))
+    return positions, asks
 
 
 def _same_blocks(a: Sums, b: Sums) -> bool:
@@ -411,7 +403,7 @@ def _hit_controls(h: EngineHandles, prompts: list[list[int]], params: Any,
     outs_c2 = [o for g in groups for o in generate(h, g, params)]
     keep: dict[int, tuple[list[str], set[int]]] = {}
     for p in prompts:
-        for kg, (layers, ids) in enumerate(_restored_ids(h, p)):
+        for kg, (layers, ids) in enumerate(_restored(h, p)[1]):
             keep.setdefault(kg, (layers, set()))[1].update(ids)
     asks = [(layers, sorted(ids)) for layers, ids in keep.values()]
     outs_cf = []
