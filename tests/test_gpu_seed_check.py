@@ -117,3 +117,23 @@ def test_a_child_writes_its_result_where_the_driver_waits_for_it(tmp_path: Path)
         tool.subprocess.Popen = real  # type: ignore[misc]
     (a,) = argv
     assert got == path and a[a.index("--result") + 1] == path
+
+
+def test_draft_models_tails_are_longer_than_the_decode_threshold() -> None:
+    """With 3 draft tokens an MLA step of at most 4 tokens runs the decode kernel: the MTP
+    seed's 3-token tail made run B's last step a decode-kernel step while run C (vLLM drops
+    the last block of a draft model's hit) computed a block and the tail through the prefill
+    kernel (H200, 2026-12-02: logprobs differed with every restored byte equal). Every tail
+    of a draft model's prompts is longer than 1 + its draft tokens, and still shorter than a
+    block, so C's hit and B's restore end at the same block boundary when no draft model
+    runs; without drafts the prompts are the ones every earlier run used."""
+    tool = _tool()
+    assert tool.spec_tokens("deepseek_v3_mtp") == 3 and tool.spec_tokens("kimi_linear") == 0
+    chunk = tool.GPU_CHUNKS["deepseek_v3_mtp"]
+    p = tool.prompts_for(chunk, 4096, tool.spec_tokens("deepseek_v3_mtp"))
+    for q in p["long"] + p["shared_single"] + p["shared_batch"]:
+        tail = len(q) - 3 * chunk
+        assert 1 + 3 < tail < 16, tail
+    plain = tool.prompts_for(chunk, 4096)
+    assert [len(q) - 3 * chunk for q in plain["long"] + plain["shared_single"]] == [5, 7, 3]
+    assert plain == tool.prompts_for(chunk, 4096, 0)

@@ -71,22 +71,45 @@ VERDICT = ("long", "shared_single")
 ONE_AT_A_TIME = {"shared_single"}
 
 
-def prompts_for(chunk: int, vocab: int) -> dict[str, list[list[int]]]:
+def prompts_for(chunk: int, vocab: int, spec_tokens: int = 0) -> dict[str, list[list[int]]]:
     """A long prompt of three chunks + 5 tokens, and two prompts sharing two chunks and
     differing right after them, each three chunks + a tail shorter than any block (7 and 3
     tokens), so that vLLM's own HBM hit (whole blocks) ends where kvtier's restore (whole
     chunks) does: with a tail of half a chunk, run C hit blocks past the chunk boundary and
-    computed fewer tokens than run B."""
+    computed fewer tokens than run B.
+
+    With ``spec_tokens`` draft tokens (MTP, eagle) every tail is longer than vLLM's decode
+    threshold (1 + ``spec_tokens``): vLLM drops the last block of a draft model's HBM hit, so
+    run C computes a block and a tail while run B computes the tail alone, and MLA backends
+    run a step of at most that many tokens through their decode kernel, other arithmetic than
+    the prefill kernel that computes C's step (vLLM 0.25.1: ``_init_reorder_batch_threshold``
+    in ``v1/attention/backend.py``, called with spec-as-decode by the MLA builders of
+    ``model_executor/layers/attention/mla_attention.py``; FLASH_ATTN_MLA takes varlen). On
+    the H200 (2026-12-02) the 3-token tail of the MTP model's second shared prompt made B's
+    logprobs differ from C's, C2's and CF's with every restored byte equal, while the 7-token
+    tail of the first was bit-equal."""
+    short = max(3, spec_tokens + 2)
+
     def toks(n: int, seed: int) -> list[int]:
         return [(seed * 7919 + 31 * i + (i * i) % 97) % (vocab - 200) + 100 for i in range(n)]
 
     def pair(seed: int) -> list[list[int]]:
         shared = toks(2 * chunk, seed)
-        return [shared + toks(chunk + 7, seed + 1), shared + toks(chunk + 3, seed + 2)]
+        return [shared + toks(chunk + max(7, short + 2), seed + 1),
+                shared + toks(chunk + short, seed + 2)]
 
     # other tokens for each check, so that each one's run A computes (kvtier holds nothing
-    # of them yet) instead of loading what an earlier check saved
-    return {"long": [toks(3 * chunk + 5, 1)], "shared_single": pair(2), "shared_batch": pair(5)}
+    # of them yet) instead of loading an earlier check's chunks
+    return {"long": [toks(3 * chunk + max(5, short), 1)], "shared_single": pair(2),
+            "shared_batch": pair(5)}
+
+
+def spec_tokens(arch: str) -> int:
+    """The seed's draft tokens per step (0 without speculative decoding)."""
+    from kvtier.testing.seed_models import SEED_MODELS
+
+    spec = SEED_MODELS[arch].engine_args.get("speculative_config") or {}
+    return int(spec.get("num_speculative_tokens", 0))
 
 
 def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str, Any]:
@@ -179,7 +202,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                             logprobs=5)
     if mode == "cold":
         sharpen_dummy_weights(llm)
-        for name, prompts in prompts_for(args.chunk, VOCAB).items():
+        for name, prompts in prompts_for(args.chunk, VOCAB, spec_tokens(args.arch)).items():
             res[name] = [g.to_json() for g in cold_reference(
                 llm, prompts, params, one_at_a_time=name in ONE_AT_A_TIME)]
         return res
@@ -194,7 +217,8 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     if args.negative:
         res["negative_rpc"] = llm.collective_rpc(negative_rpc(args.negative), args=(True,))
     res["chunk_tokens"] = h.kvtier.geometry.chunk_tokens
-    for name, prompts in prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB).items():
+    for name, prompts in prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB,
+                                    spec_tokens(args.arch)).items():
         t = time.time()
         try:
             r = restore_check(h, prompts, params, cold=cold.get(name),
@@ -229,7 +253,8 @@ def fill_zero_check(h: Any, args: argparse.Namespace, params: Any, cold: Any) ->
     from kvtier.testing.restore import restore_check
     from kvtier.testing.seed_models import VOCAB
 
-    long = prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB)["long"]
+    long = prompts_for(args.chunk or h.kvtier.geometry.chunk_tokens, VOCAB,
+                                    spec_tokens(args.arch))["long"]
     try:
         return restore_check(h, long, params, cold=cold, fill_byte=0).to_json()
     except Exception as e:  # a crash is a result
