@@ -61,9 +61,9 @@ elif [ "$STAGE" = gain ]; then
     n=0
     for c in ${CONFIGS:-hbm kvtier native big}; do
         n=$((n + 1))
-        # kvtier-admit: kvtier with cache-aware admission (defer_cold_requests)
+        # kvtier-admit: kvtier with cache-aware admission (cache_aware_admission)
         extra=()
-        [ "$c" = kvtier-admit ] && extra=(--kvtier-config defer_cold_requests=true)
+        [ "$c" = kvtier-admit ] && extra=(--kvtier-config cache_aware_admission=true)
         # in-process engine core: the autotune limit applies and kvtier's counters are read
         GPU_TOOLS_AUTOTUNE_KEEP=${GAIN_KEEP:-1} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
             timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py \

@@ -2,7 +2,7 @@
 # Issue 15's offline reference runs on one H200 (vLLM 0.25.1 from the gpu-kit installed into
 # $SITE), in one device call: `kvtier bench offline` for SHAPE (llama8b or deepseek-v2-lite)
 # with CONFIGS (default all five: hbm, big, native, kvtier, kvtier-null-copy), ROUNDS
-# alternating rounds, then (ADMISSION=1) kvtier again with defer_cold_requests on.
+# alternating rounds, then (ADMISSION=1) kvtier again with cache_aware_admission on.
 # Budget: an engine start with CUDA graphs is ~1-1.5 min, a run 4-30 s, so five
 # configurations x one round is ~8 min: for more rounds use several calls (ROUNDS=1 each,
 # alternating CONFIGS order by hand) or CONFIGS=kvtier,kvtier-null-copy.
@@ -27,7 +27,7 @@ python3 -m kvtier.cli bench offline --shape "$SHAPE" --configs "$CONFIGS" --roun
 if [ "$ADMISSION" = 1 ]; then
     # shellcheck disable=SC2086
     python3 -m kvtier.cli bench offline --shape "$SHAPE" --configs kvtier,kvtier-null-copy \
-        --rounds "$ROUNDS" --kvtier-set defer_cold_requests=true \
+        --rounds "$ROUNDS" --kvtier-set cache_aware_admission=true \
         --out-dir "$W/admission-on" $EXTRA 2>&1 | tail -40
 fi
 tar czf "$OUT/offline-$SHAPE.tgz" -C "$OUT" "offline-$SHAPE"

@@ -179,10 +179,14 @@ def test_json_booleans_are_not_counts(field: str, flag: bool) -> None:
 
 
 def test_only_switches_take_booleans() -> None:
-    """Every field that is not a bool refuses true (a new count is covered or fails here)."""
+    """Every field that is not a bool refuses true (a new count is covered or fails here);
+    a deprecated alias of a switch takes true and turns the switch on."""
     for name, f in KvtierConfig.model_fields.items():
         if f.annotation is bool:
             assert getattr(load({name: True}), name) is True
+        elif f.annotation == bool | None:
+            assert name == "defer_cold_requests"
+            assert load({name: True}).cache_aware_admission is True
         else:
             with pytest.raises(ConfigError, match=name):
                 load({name: True})

@@ -1,5 +1,7 @@
-"""Cache-aware admission's deferral rule (kvtier.deferral): when it defers, and that no
-request is deferred past its bounds whatever the sequence of lookups (starvation-free)."""
+"""Cache-aware admission's deferral rule (kvtier.deferral): when it defers (a running request
+produces the request's next chunk, or HBM cannot hold it; only while others run or load; never
+under the priority policy), and that no request is deferred past its bounds whatever the
+sequence of lookups (starvation-free)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.deferral import DeferralLimits, Deferrals, Situation
 
-COLD = Situation(warm=False, hbm_short=True, busy=True, priority=False)
+COLD = Situation(waits_for_producer=False, fits=False, busy=True, priority=False)
 
 
 class Clock:
@@ -19,13 +21,16 @@ class Clock:
         return self.t
 
 
-def test_only_a_cold_request_while_hbm_is_short_and_others_run_is_deferred() -> None:
+def test_deferred_when_it_waits_for_a_producer_or_does_not_fit_while_others_run() -> None:
     d = Deferrals(DeferralLimits(8, 1000.0, 4), Clock())
-    assert d.defer("a", 1, COLD)
-    for s in (Situation(True, True, True, False), Situation(False, False, True, False),
-              Situation(False, True, False, False), Situation(False, True, True, True)):
+    assert d.defer("a", 1, COLD)  # does not fit
+    assert d.defer("p", 1, Situation(waits_for_producer=True, fits=True, busy=True,
+                                     priority=False))
+    for s in (Situation(False, True, True, False),  # fits, nobody produces its chunk
+              Situation(True, False, False, False),  # nothing runs or loads
+              Situation(True, False, True, True)):  # priority policy
         assert not d.defer("b", 1, s)
-    assert d.deferred == 1
+    assert d.deferred == 2
 
 
 def test_the_step_bound_then_never_again() -> None:
@@ -72,13 +77,13 @@ def test_no_request_is_deferred_past_its_bounds(max_steps: int, max_ms: float,
     step = 0
     first: dict[str, float] = {}
     steps: dict[str, set[int]] = {}
-    for req, step_gap, ms, warm, short, busy, prio in lookups:
+    for req, step_gap, ms, waits, fits, busy, prio in lookups:
         step += step_gap
         clock.t += ms / 1000.0
         rid = f"r{req}"
-        s = Situation(warm, short, busy, prio)
+        s = Situation(waits, fits, busy, prio)
         if d.defer(rid, step, s):
-            assert not warm and short and busy and not prio
+            assert (waits or not fits) and busy and not prio
             first.setdefault(rid, clock.t)
             steps.setdefault(rid, set()).add(step)
             assert len(steps[rid]) <= max_steps

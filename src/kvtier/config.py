@@ -54,7 +54,8 @@ NON_SETTING_ENV = frozenset({"KVTIER_SOAK", "KVTIER_STARTUP_REPORT", "KVTIER_TES
 DEFAULT_DRAM_SIZE = 4 * 2**30
 DEFAULT_STAGING_SIZE = 256 * 2**20
 _DEPRECATED_ALIASES = {"disk_max_defer_ms": "prepare_timeout_ms",
-                       "disk_max_defer_steps": "prepare_max_steps"}
+                       "disk_max_defer_steps": "prepare_max_steps",
+                       "defer_cold_requests": "cache_aware_admission"}
 
 logger = get_logger("config")
 
@@ -235,25 +236,39 @@ class KvtierConfig(BaseModel):
         "a load cannot fail once promised, hits are verified before they are promised. Off by "
         "default for now: its cost is not yet under 1% on either engine.",
     )
-    defer_cold_requests: bool = Field(
+    cache_aware_admission: bool = Field(
         default=False,
-        description="Cache-aware admission: while HBM cannot hold a waiting request whose "
-        "prefix is neither in HBM nor in kvtier, and others run or load, let the requests "
-        "behind it go first (bounded: defer_max_steps, defer_max_ms). Never under vLLM's "
-        "priority policy. Off by default until measured.",
+        description="Cache-aware admission: while others run or load, a waiting request "
+        "waits (bounded: defer_max_steps, defer_max_ms) when the chunk after its HBM hit is "
+        "being computed or loaded by a running request (it shares that request's blocks "
+        "next step instead of computing or loading them again), or when HBM cannot hold it "
+        "now (the requests behind it that fit go first; vLLM's first-come-first-served "
+        "scan would stop at it). Never under vLLM's priority policy. Off by default until "
+        "it wins on every workload measured.",
     )
+    defer_cold_requests: bool | None = Field(
+        default=None,
+        description="Deprecated alias of cache_aware_admission.",
+    )
+    # The bounds are starvation bounds, not tuning: past one, a request is never deferred
+    # again, so a request that does not fit stops vLLM's first-come-first-served scan until it
+    # fits, as without admission. An expiry in the middle of a run gives that order back to
+    # everything behind it (on a CPU model of the reference run, 144 engine steps without
+    # expiries, 309-347 with bounds that expire mid-run, 428 without admission): the defaults
+    # outlast the reference runs, which take 8-30 s.
     defer_max_steps: Count = Field(
-        default=64, ge=1, description="Engine steps a request may be deferred, at most."
+        default=4096, ge=1, description="Engine steps a request may be deferred, at most."
     )
     defer_max_ms: Number = Field(
-        default=2000.0, gt=0,
+        default=30_000.0, gt=0,
         description="Milliseconds a request may be deferred from its first deferral, at most.",
     )
-    # a deferred request is looked up again every step: ~40 us for a 17k-token prompt on a
-    # 2-core CPU (the prompt slice ~32 us, kvtier's lookup ~7 us), so 8 cost ~0.3 ms a step
+    # a deferred request is asked again every step vLLM's scan reaches it: a few microseconds
+    # on kvtier's side (no lookup: admission decides first), plus vLLM's own prefix-cache
+    # lookup of it; the scan reaches past the deferred ones only as far as this many
     defer_max_requests: Count = Field(
-        default=8, ge=1,
-        description="Requests deferred at once, at most (each costs a lookup per step).",
+        default=64, ge=1,
+        description="Requests deferred at once, at most (each is asked again every step).",
     )
     prepare_timeout_ms: Number = Field(
         default=1000.0, gt=0,
@@ -373,8 +388,9 @@ class KvtierConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _deprecated_aliases(cls, data: Any) -> Any:
-        """The disk tier's deferral bounds became the one preparation bound: an old setting
-        sets the new one unless that is given too."""
+        """Renamed settings: the disk tier's deferral bounds became the one preparation
+        bound, defer_cold_requests became cache_aware_admission (it defers more than cold
+        requests). An old setting sets the new one unless that is given too."""
         if not isinstance(data, Mapping):
             return data
         out = dict(data)

@@ -1,22 +1,28 @@
-"""Cache-aware admission: while HBM is short, a bounded deferral of waiting requests whose
-prefix is neither in HBM nor loading, so that the requests behind them that share a resident
-or loading prefix run first, together.
+"""Cache-aware admission: a bounded deferral of waiting requests, so that requests sharing a
+prefix that is in HBM, or on its way there, run together and nothing is computed or loaded
+twice while HBM is short.
 
 vLLM admits waiting requests first come, first served and stops at the first one it cannot
-allocate: a cold request at the head of the queue holds back warm ones that would fit. A
-connector can move a request out of that step's scan by answering its lookup with ``None``
-(vLLM 0.25.1 ``v1/core/sched/scheduler.py:744-750``, 0.32 the same): it joins the step's
-skipped queue, is scanned first next step, and is asked again.
+allocate: a request at the head of the queue that does not fit holds back those behind it that
+would. And vLLM shares a prefix between requests only once its blocks are in the prefix cache:
+a request admitted while another one is still computing (chunked prefill) or loading the same
+prefix computes or loads it again into blocks of its own. A connector can move a request out of
+a step's scan by answering its lookup with ``None`` (vLLM 0.25.1
+``v1/core/sched/scheduler.py:744-750``, 0.32 the same): it joins the step's skipped queue, is
+scanned first next step, and is asked again.
 
-Contract (:meth:`Deferrals.defer`):
-- never defers a warm request (a local HBM hit, or a kvtier hit: stored or loading), under
-  vLLM's priority policy, while nothing is running or loading, or while HBM is not short;
+Contract (:meth:`Deferrals.defer`): a request is deferred when
+- the chunk right after its HBM hit is being computed or loaded by a running request
+  (:mod:`kvtier.production`; it gets that chunk from vLLM's prefix cache once it landed), or
+- HBM cannot hold it now (vLLM's scan would stop at it: the requests behind it go first);
+
+and never under vLLM's priority policy, or while nothing is running or loading (then nothing
+would change by waiting). Bounds:
 - a request is deferred in at most ``max_steps`` distinct engine steps and for at most
   ``max_ms`` milliseconds from its first deferral; past either bound it is never deferred
   again (starvation-free whatever the workload);
 - at most ``max_deferred`` requests are deferred at once (deferred in this step or the one
-  before, :meth:`active`): each one costs a lookup per step,
-  so the bound keeps the deferrals inside the planner's per-step budget;
+  before, :meth:`active`): each one is asked again every step;
 - :meth:`forget` drops a finished request's record.
 """
 
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -38,17 +44,24 @@ class DeferralLimits:
 class Situation:
     """What the connector knows when vLLM asks about a waiting request."""
 
-    warm: bool  # its prefix is in HBM or in kvtier (stored or loading)
-    hbm_short: bool  # HBM cannot hold it now
+    waits_for_producer: bool  # a running request computes or loads its next chunk into HBM
+    fits: bool  # HBM can hold what it needs beyond its HBM hit now
     busy: bool  # some request is running or loading
     priority: bool  # vLLM's priority scheduling policy
+
+    @property
+    def wants_deferral(self) -> bool:
+        """Whether waiting helps, before the bounds."""
+        return (not self.priority and self.busy
+                and (self.waits_for_producer or not self.fits))
 
 
 @dataclass
 class _Record:
     first_step: int
     first_s: float
-    steps: set[int] = field(default_factory=set)
+    steps: int = 0  # distinct engine steps it was deferred in (steps only grow)
+    last_step: int = -1
     expired: bool = False
 
 
@@ -67,7 +80,7 @@ class Deferrals:
         rec = self._records.get(req_id)
         if rec is not None and rec.expired:
             return False
-        if s.warm or s.priority or not s.busy or not s.hbm_short:
+        if not s.wants_deferral:
             return False
         now = self.clock()
         if rec is None:
@@ -75,13 +88,15 @@ class Deferrals:
                 self.declined_full += 1
                 return False
             rec = self._records[req_id] = _Record(step, now)
-        new_step = step not in rec.steps
-        if ((new_step and len(rec.steps) >= self.limits.max_steps)
+        new_step = step != rec.last_step
+        if ((new_step and rec.steps >= self.limits.max_steps)
                 or (now - rec.first_s) * 1000.0 >= self.limits.max_ms):
             rec.expired = True
             self.expired += 1
             return False
-        rec.steps.add(step)
+        if new_step:
+            rec.steps += 1
+            rec.last_step = step
         self.deferred += 1
         return True
 
@@ -89,11 +104,11 @@ class Deferrals:
         """Requests deferred in this step or the one before (still waiting on a deferral),
         not past a bound."""
         return sum(1 for r in self._records.values()
-                   if not r.expired and r.steps and max(r.steps) >= step - 1)
+                   if not r.expired and r.steps and r.last_step >= step - 1)
 
     def deferred_steps(self, req_id: str) -> int:
         rec = self._records.get(req_id)
-        return len(rec.steps) if rec is not None else 0
+        return rec.steps if rec is not None else 0
 
     def forget(self, req_id: str) -> None:
         self._records.pop(req_id, None)

@@ -51,6 +51,7 @@ from kvtier.planner import (
 )
 from kvtier.policy import make_admission, make_policy
 from kvtier.prepare import ChunkRef, Preparation
+from kvtier.production import ChunkProducers
 from kvtier.protocol import SKIP, Job, JobKind, SaveDrop, StepPlan, TransferOp, WorkerReport
 from kvtier.slab import SlabLayout, SlotAllocator
 from kvtier.tiers import DRAM
@@ -225,6 +226,10 @@ class OffloadScheduler:
             step_seconds=config.step_seconds,
         )
         self.requests: dict[str, RequestState] = {}
+        # cache-aware admission: the chunks running requests are computing or loading into
+        # HBM (kvtier.production); None when admission is off
+        self.producers: ChunkProducers | None = (
+            ChunkProducers() if config.cache_aware_admission else None)
         self.jobs: dict[int, _JobState] = {}
         self._job_ids = itertools.count(1)
         # per group: block id -> save jobs still reading it (fencing)
@@ -266,6 +271,8 @@ class OffloadScheduler:
             old.finished = True
             old.pending_hit = None
             self._release_preparation(old)
+            if self.producers is not None:
+                self.producers.stop(req_id)
         keys = RequestKeys(self.namespace, self.geometry.chunk_tokens, cache_salt, extra_keys,
                            lookahead=self.draft_lookahead)
         st = RequestState(req_id, keys, [[] for _ in self.geometry.groups])
@@ -376,6 +383,8 @@ class OffloadScheduler:
         st.load_job = job.job_id
         self.jobs[job.job_id].state = st
         self._step_loads.append(job)
+        if self.producers is not None:  # the loaded chunks, then the rest of the prompt
+            self.producers.produce(req_id, st.keys.keys[first_chunk:])
         if self.stack is not None and st.preparation is not None:
             self.stack.note_load(st.preparation, hit.tokens)
         self._release_preparation(st)  # the load holds its own pins now
@@ -553,6 +562,8 @@ class OffloadScheduler:
         if st is None:
             return
         self._step_preempted.add(req_id)
+        if self.producers is not None:
+            self.producers.stop(req_id)
         if st.save_jobs:
             self.stats.preempted_with_saves += 1
         st.block_ids = [[] for _ in self.geometry.groups]
@@ -729,7 +740,38 @@ class OffloadScheduler:
         for s in step.scheduled:
             self.plan_saves(s.req_id, s.tokens, s.computed_after, s.num_prompt,
                             s.computed_before)
+            if self.producers is not None:
+                self._note_production(s)
         return self.build_step()
+
+    def _note_production(self, s: ScheduledTokens) -> None:
+        """A prefilling request produces its prompt's chunks from the one its computation
+        reached (earlier ones are in vLLM's prefix cache, and a waiting request's HBM hit
+        covers them); once its prompt is computed it produces nothing more."""
+        assert self.producers is not None
+        if s.computed_after >= s.num_prompt:
+            self.producers.stop(s.req_id)
+            return
+        st = self.requests.get(s.req_id)
+        if st is None or st.keys.unsaveable or self.producers.producing(s.req_id):
+            return
+        c = self.geometry.chunk_tokens
+        self.producers.produce(s.req_id, st.keys.keys[s.computed_after // c:s.num_prompt // c])
+
+    def waits_for_producer(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> bool:
+        """Whether another running request is computing or loading, into HBM, the chunk of
+        ``req_id``'s prompt (``tokens``) that its HBM hit of ``hbm_tokens`` reaches into: that
+        chunk lands in vLLM's prefix cache soon, and this request's hit grows then (cache-aware
+        admission, :mod:`kvtier.deferral`). False when admission is off."""
+        st = self.requests.get(req_id)
+        if self.producers is None or st is None or not len(self.producers):
+            return False
+        st.keys.update(tokens)
+        j = hbm_tokens // self.geometry.chunk_tokens
+        if j >= st.keys.num_chunks:
+            return False
+        producer = self.producers.producer(st.keys.keys[j])
+        return producer is not None and producer != req_id
 
     def build_step(self) -> StepPlan:
         fence: set[int] = set()
@@ -863,6 +905,8 @@ class OffloadScheduler:
         st.finished = True
         st.pending_hit = None
         self._release_preparation(st)
+        if self.producers is not None:
+            self.producers.stop(req_id)
         if self.stack is not None:
             self.stack.forget_request(req_id)
         if self._idle(st):
@@ -906,6 +950,7 @@ class OffloadScheduler:
         assert self._pending_save_chunks == 0 and self._pending_load_chunks == 0
         assert self._pinned_chunks == 0 and self.index.stats().pinned == 0
         assert not self.requests, f"request state left: {sorted(self.requests)}"
+        assert self.producers is None or not len(self.producers), "producers left"
         if self.stack is not None:
             self.stack.check_drained()
         self.index.check_invariants()

@@ -71,7 +71,7 @@ def model_config() -> ModelConfig:
 
 def extra_config(sc: Scenario) -> dict[str, Any]:
     state = {"state_size": sc.state_size} if sc.state_size else {}
-    defer = {"defer_cold_requests": True, "defer_max_steps": 8} if sc.defer_cold else {}
+    defer = {"cache_aware_admission": True, "defer_max_steps": 8} if sc.admission_defers else {}
     return {
         **state,
         **defer,

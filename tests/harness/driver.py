@@ -246,9 +246,9 @@ class Driver:
                        saves_failed=st.saves_failed, fences=st.fences, hits=st.hits,
                        lookups=st.lookups)
             out.update({f"declined_{k}": v for k, v in st.declined.items()})
-        cold = self.connector.scheduler_side.cold
-        if cold is not None:
-            out.update(cold_deferred=cold.deferrals.deferred, cold_expired=cold.deferrals.expired)
+        admission = self.connector.scheduler_side.admission
+        if admission is not None:
+            out.update(admission.counters())
         out.update(self.oracle.checked)
         out["loads_reported"] = self.oracle.loads_reported
         out["max_parked_steps"] = self.oracle.max_parked_steps

@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default="full",
                     help="KV-cache group sets, comma-separated (" + ", ".join(GROUP_SETS)
                     + "), or 'multi' for " + ",".join(MULTI_GROUP_SETS))
-    ap.add_argument("--defer-cold", action="store_true",
-                    help="every scenario with kvtier's defer_cold_requests on")
+    ap.add_argument("--admission", action="store_true",
+                    help="every scenario with kvtier's cache_aware_admission on")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     group_sets = MULTI_GROUP_SETS if args.groups == "multi" else tuple(args.groups.split(","))
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if res.ok else 1
     with REVERTS[args.revert]() if args.revert else contextlib.nullcontext():
         items = scenarios(args.scenarios, args.seed, group_sets=group_sets)
-        if args.defer_cold:
-            items = (dataclasses.replace(sc, defer_cold=True) for sc in items)
+        if args.admission:
+            items = (dataclasses.replace(sc, admission_defers=True) for sc in items)
         batch = run_batch(items, bug)
     summary = batch.to_json()
     if args.json == "-":

@@ -114,7 +114,7 @@ class Scenario:
     groups: tuple[str, ...] = ("full",)  # a value of GROUP_SETS
     sliding_window: int = 0  # tokens, for "swa" groups
     state_size: str | None = None  # kvtier's state_size (None: its default)
-    defer_cold: bool = False  # kvtier's defer_cold_requests (cache-aware admission)
+    admission_defers: bool = False  # kvtier's cache_aware_admission
 
     @property
     def group_set(self) -> str:
@@ -132,7 +132,7 @@ class Scenario:
                 f"{'v2 ' if self.v2_runner else ''}{self.policy}/"
                 f"{self.admission}/{self.sched_policy} reqs={len(self.requests)} "
                 f"resets={self.resets} faults={self.faults.kinds()} tags={self.tags}"
-                + (" defer_cold" if self.defer_cold else ""))
+                + (" admission" if self.admission_defers else ""))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

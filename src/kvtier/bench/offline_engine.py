@@ -161,9 +161,8 @@ def kvtier_counters(engine_core: Any) -> dict[str, Any] | None:
     if sched is None:
         return None
     st = sched.stats
-    cold = getattr(side, "cold", None)
-    deferred = ({"cold_deferred": cold.deferrals.deferred, "cold_expired": cold.deferrals.expired}
-                if cold is not None else {})
+    admission = getattr(side, "admission", None)
+    deferred = admission.counters() if admission is not None else {}
     return {**deferred, "hit_tokens": st.hit_tokens, "loaded_tokens": st.loaded_tokens,
             "loads_ok": st.loads_ok, "loads_failed": st.loads_failed,
             "declined": dict(st.declined), "saves_planned": st.saves_planned,

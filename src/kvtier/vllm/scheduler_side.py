@@ -27,7 +27,7 @@ from kvtier.scheduler import (
 from kvtier.store.promotions import store_lower
 from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
-from kvtier.vllm.cold_lookups import ColdLookups
+from kvtier.vllm.admission import Admission
 from kvtier.vllm.counters import scheduler_counts
 from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
 from kvtier.vllm.groups import EngineGroups
@@ -72,15 +72,15 @@ class SchedulerSide:
         # (kvtier.vllm.hybrid_hits); None elsewhere
         self._block_pool: Any = None
         self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
-        # cache-aware admission (defer_cold_requests): None when off or kvtier is off
-        self.cold: ColdLookups | None = None
-        if setup.config.defer_cold_requests and setup.groups is not None:
-            self.cold = ColdLookups(setup.config, setup.priority_policy,
-                                    [g.block_size for g in setup.groups.specs])
+        # cache-aware admission (cache_aware_admission): None when off or kvtier is off
+        self.admission: Admission | None = None
+        if setup.config.cache_aware_admission and setup.groups is not None:
+            self.admission = Admission(setup.config, setup.priority_policy,
+                                       setup.groups.specs)
 
     def bind_block_pool(self, pool: Any) -> None:
-        if self.cold is not None:
-            self.cold.bind_pool(pool)
+        if self.admission is not None:
+            self.admission.bind_pool(pool)
         groups = self.setup.groups
         if (groups is not None and compat.local_hit_is_longest_group_hit()
                 and any(s.kind is GroupKind.STATE for s in groups.specs)):
@@ -108,14 +108,23 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         if self._attention_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a hit every group holds
+        if self._admission_defers(request, num_computed_tokens):
+            return None, False  # it shares a chunk on its way into HBM, or does not fit
         n, load = self._matched_tokens(request, num_computed_tokens)
         if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a local hit with its state
-        if (n == 0 and self.cold is not None and self.scheduler is not None
-                and not compat.skips_prefix_cache(request)
-                and self.cold.defer(request, num_computed_tokens, 0)):
-            return None, False  # cold while HBM is short: the warm ones behind it go first
         return n, load
+
+    def _admission_defers(self, request: Any, local_hit: int) -> bool:
+        """Cache-aware admission (:mod:`kvtier.vllm.admission`), before kvtier's lookup."""
+        adm, sched = self.admission, self.scheduler
+        if (adm is None or sched is None or adm.priority or not adm.busy
+                or self.setup.disabled_reason or compat.skips_prefix_cache(request)):
+            return False
+        self._ensure_request(request)
+        waits = sched.waits_for_producer(request.request_id, _prompt_tokens(request),
+                                         local_hit)
+        return adm.defer(request, local_hit, waits)
 
     def _attention_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
         """Whether vLLM's local hit runs past the attention groups' own (a state group's hit
@@ -167,8 +176,7 @@ class SchedulerSide:
         if compat.skips_prefix_cache(request):
             return 0, False
         self._ensure_request(request)
-        tokens = request.all_token_ids
-        n = self.scheduler.lookup(request.request_id, tokens[: request.num_tokens],
+        n = self.scheduler.lookup(request.request_id, _prompt_tokens(request),
                                   num_computed_tokens)
         return n, bool(n)  # None: the hit is being prepared, ask again next step
 
@@ -194,8 +202,8 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self.requests.pop(request.request_id, None)
         self._blind.discard(request.request_id)
-        if self.cold is not None:
-            self.cold.forget(request.request_id)
+        if self.admission is not None:
+            self.admission.forget(request.request_id)
         if self.scheduler is not None:
             self.scheduler.request_finished(request.request_id)
         # Never hold blocks: saves in flight are fenced when their blocks are reallocated.
@@ -225,8 +233,8 @@ class SchedulerSide:
         # nothing computes this step (every running request waits for a load, a lookup for a
         # promotion): the workers may block a little for what is in flight (IDLE_WAIT_S)
         plan.idle = not scheduler_output.num_scheduled_tokens
-        if self.cold is not None:
-            self.cold.step_planned(scheduler_output, sched.loads_in_flight())
+        if self.admission is not None:
+            self.admission.step_planned(scheduler_output, sched.loads_in_flight())
         return KvtierMetadata(plan, geometry_known=True)
 
     def _scheduled_tokens(self, scheduler_output: Any) -> list[ScheduledTokens]:
@@ -368,3 +376,10 @@ def step_input(scheduler_output: Any, groups: EngineGroups) -> StepInput:
         preempted=compat.preempted_ids(scheduler_output), new=new, cached=cached,
         copy_targets=[copies] * len(groups.engine_ids) if copies else [],
     )
+
+
+def _prompt_tokens(request: Any) -> Any:
+    """The request's known tokens (``num_tokens`` of them), without copying them where
+    vLLM's list holds exactly those (a copy of a 17k-token prompt costs ~30 us a lookup)."""
+    tokens = request.all_token_ids
+    return tokens if len(tokens) == request.num_tokens else tokens[: request.num_tokens]

@@ -1,0 +1,95 @@
+"""Cache-aware admission in the connector (``cache_aware_admission``): what vLLM's scheduler
+state says about a waiting request, handed to :class:`kvtier.deferral.Deferrals`.
+
+Contract:
+- it decides before kvtier's lookup (a deferred request costs no lookup), from vLLM's local
+  hit alone;
+- *waits for a producer*: a running request computes or loads, into HBM, the chunk right
+  after this request's HBM hit (:meth:`kvtier.scheduler.OffloadScheduler.waits_for_producer`);
+- *fits*: vLLM's block pool has at least as many free blocks (evictable cached ones included)
+  as the request needs beyond its HBM hit in every KV-cache group (vLLM admits a request only
+  when its whole prompt fits, ``scheduler_reserve_full_isl``, on by default in 0.25.1 and
+  0.32; a state group in ``align`` mode takes one block for a new request); the hit's own
+  cached blocks that are evictable are not subtracted, so it errs towards *fits* (then vLLM
+  stops its scan at the request, as without admission);
+- *busy*: the last step scheduled tokens, or kvtier has loads in flight;
+- a request that skips the prefix cache is never deferred (0.32 forces its hit to 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.config import KvtierConfig
+from kvtier.deferral import DeferralLimits, Deferrals, Situation
+from kvtier.layout import GroupKind, GroupSpec
+
+
+def blocks_needed(groups: Sequence[GroupSpec], num_tokens: int, hbm_tokens: int) -> int:
+    """Blocks vLLM allocates for a new request of ``num_tokens`` tokens whose first
+    ``hbm_tokens`` hit its prefix cache, summed over the KV-cache groups."""
+    total = 0
+    for g in groups:
+        if g.kind is GroupKind.STATE:
+            total += 1  # align mode: one block for the running state
+            continue
+        need = -(-num_tokens // g.block_size) - hbm_tokens // g.block_size
+        if g.kind is GroupKind.SLIDING_WINDOW and g.sliding_window:
+            need = min(need, -(-g.sliding_window // g.block_size) + 1)
+        total += max(need, 0)
+    return total
+
+
+class Admission:
+    def __init__(self, config: KvtierConfig, priority: bool,
+                 groups: Sequence[GroupSpec]) -> None:
+        self.deferrals = Deferrals(DeferralLimits(int(config.defer_max_steps),
+                                                  float(config.defer_max_ms),
+                                                  int(config.defer_max_requests)))
+        self.priority = priority
+        self.groups = list(groups)
+        self.pool: Any = None
+        self.step = 0
+        self.busy = False
+        self.waited_for_producer = 0  # deferrals because a running request produces the chunk
+        self.waited_for_room = 0  # deferrals because HBM could not hold the request
+
+    def bind_pool(self, pool: Any) -> None:
+        self.pool = pool
+
+    def step_planned(self, scheduler_output: Any, loading: bool) -> None:
+        """After each of vLLM's scheduling passes (``build_connector_meta``)."""
+        self.step += 1
+        self.busy = bool(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) or loading
+
+    def fits(self, num_tokens: int, hbm_tokens: int) -> bool:
+        if self.pool is None:
+            return True
+        return (int(self.pool.get_num_free_blocks())
+                >= blocks_needed(self.groups, num_tokens, hbm_tokens))
+
+    def defer(self, request: Any, hbm_tokens: int, waits_for_producer: bool) -> bool:
+        """Whether to answer this lookup with ``None`` (asked again next step)."""
+        if self.priority or not self.busy:
+            return False  # cheap exits first: the checks below cost a little
+        situation = Situation(waits_for_producer=waits_for_producer,
+                              fits=self.fits(int(request.num_tokens), hbm_tokens),
+                              busy=self.busy, priority=self.priority)
+        deferred = self.deferrals.defer(request.request_id, self.step, situation)
+        if deferred:
+            if waits_for_producer:
+                self.waited_for_producer += 1
+            else:
+                self.waited_for_room += 1
+        return deferred
+
+    def counters(self) -> dict[str, int]:
+        d = self.deferrals
+        return {"admission_deferred": d.deferred, "admission_expired": d.expired,
+                "admission_declined_full": d.declined_full,
+                "admission_waited_for_producer": self.waited_for_producer,
+                "admission_waited_for_room": self.waited_for_room}
+
+    def forget(self, req_id: str) -> None:
+        self.deferrals.forget(req_id)

@@ -1,0 +1,85 @@
+"""Cache-aware admission's connector half (kvtier.vllm.admission) on vLLM 0.32's real block
+pool: a request fits when the pool's free blocks (evictable cached ones included) hold what it
+needs beyond its HBM hit in every group (a state group: one block); busy after a step that
+scheduled tokens or with loads in flight; deferred when it waits for a producer or does not
+fit, only while busy, never under the priority policy, within its bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.core.block_pool import BlockPool
+
+from kvtier.config import KvtierConfig
+from kvtier.layout import GroupKind, GroupSpec
+from kvtier.vllm.admission import Admission, blocks_needed
+
+CONFIG = KvtierConfig(dram_size="1MiB", cache_aware_admission=True, defer_max_steps=2)
+FULL = GroupSpec(GroupKind.FULL, 16, ("l0",))
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+
+
+@dataclass
+class Out:
+    total_num_scheduled_tokens: int
+
+
+def _admission(pool_blocks: int = 21, priority: bool = False) -> tuple[Admission, BlockPool]:
+    adm = Admission(CONFIG, priority=priority, groups=[FULL])
+    pool = BlockPool(num_gpu_blocks=pool_blocks, enable_caching=True, hash_block_size=16)
+    adm.bind_pool(pool)
+    return adm, pool
+
+
+def test_blocks_needed_beyond_the_hit_per_kind_of_group() -> None:
+    assert blocks_needed([FULL], 320, 0) == 20 and blocks_needed([FULL], 321, 0) == 21
+    assert blocks_needed([FULL], 321, 160) == 11  # the hit's 10 blocks are there
+    window = GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("w",), sliding_window=64)
+    assert blocks_needed([window], 1600, 0) == 5  # the window's 4 blocks and one more
+    state = GroupSpec(GroupKind.STATE, 544, ("s",))
+    assert blocks_needed([FULL, state, state], 320, 0) == 22  # one running state each
+
+
+def test_fits_when_the_free_blocks_hold_what_it_needs_beyond_its_hit() -> None:
+    adm, pool = _admission()  # 20 usable blocks (vLLM keeps one as its null block)
+    assert pool.get_num_free_blocks() == 20
+    assert adm.fits(320, 0) and not adm.fits(321, 0)
+    pool.get_new_blocks(15)
+    assert adm.fits(80, 0) and not adm.fits(81, 0) and adm.fits(400, 320)
+
+
+def test_deferred_while_busy_when_it_does_not_fit_or_waits_for_a_producer() -> None:
+    adm, pool = _admission()
+    pool.get_new_blocks(15)
+    big = Req("a", 200)
+    assert not adm.defer(big, 0, False)  # nothing ran yet
+    adm.step_planned(Out(64), loading=False)
+    assert adm.defer(big, 0, False)  # does not fit
+    assert not adm.defer(Req("s", 64), 0, False)  # fits, nobody produces its next chunk
+    assert adm.defer(Req("p", 64), 0, True)  # fits, but a running request produces it
+    assert not adm.defer(Req("h", 200), 160, False)  # its hit leaves 3 blocks to allocate
+    adm.step_planned(Out(0), loading=True)  # loads in flight: still busy
+    assert adm.defer(big, 0, False)
+    adm.step_planned(Out(0), loading=False)
+    assert not adm.busy and not adm.defer(Req("b", 200), 0, True)
+    adm.step_planned(Out(1), loading=False)
+    assert not adm.defer(big, 0, False)  # its third step: past defer_max_steps
+    c = adm.counters()
+    assert c["admission_deferred"] == 3 and c["admission_expired"] == 1
+    assert c["admission_waited_for_room"] == 2 and c["admission_waited_for_producer"] == 1
+
+
+def test_never_under_the_priority_policy() -> None:
+    adm, _ = _admission(pool_blocks=5, priority=True)
+    adm.step_planned(Out(8), loading=True)
+    assert not adm.defer(Req("a", 1000), 0, False) and not adm.defer(Req("b", 8), 0, True)
+
+
+def test_the_old_setting_name_still_turns_it_on() -> None:
+    assert KvtierConfig(dram_size="1MiB", defer_cold_requests=True).cache_aware_admission
+    assert not KvtierConfig(dram_size="1MiB").cache_aware_admission

@@ -1,0 +1,91 @@
+"""Which chunks running requests are putting into HBM (kvtier.production), and the scheduler
+half's answer to cache-aware admission built on it (OffloadScheduler.waits_for_producer):
+a prefilling request produces its prompt's chunks from where its computation reached until
+its prompt is computed; a load produces the loaded chunks and the rest of the prompt; a
+preempted or finished request produces nothing; a request never waits for itself."""
+
+from __future__ import annotations
+
+from kvtier.config import KvtierConfig
+from kvtier.planner import make_slab_layout
+from kvtier.production import ChunkProducers
+from kvtier.protocol import WorkerReport
+from kvtier.scheduler import NewRequest, OffloadScheduler, ScheduledTokens, StepInput
+from test_scheduler import GEOMETRY, NAMESPACE, C, ok, table, tokens
+
+
+def test_producers_register_once_and_stop_idempotently() -> None:
+    p = ChunkProducers()
+    p.produce("a", [b"k1", b"k2"])
+    p.produce("a", [b"k3"])  # already registered: keeps its keys
+    assert p.producer(b"k1") == "a" and p.producer(b"k3") is None and len(p) == 1
+    p.produce("b", [b"k2"])
+    assert p.producer(b"k2") in {"a", "b"}
+    p.stop("a")
+    p.stop("a")
+    assert p.producer(b"k1") is None and p.producer(b"k2") == "b" and not p.producing("a")
+    p.stop("b")
+    assert len(p) == 0 and p.producer(b"k2") is None
+    p.produce("c", [])
+    assert not p.producing("c")
+
+
+def make(admission: bool = True) -> OffloadScheduler:
+    config = KvtierConfig(dram_size="4MiB", cost_model=False, cache_aware_admission=admission)
+    return OffloadScheduler(config, GEOMETRY, NAMESPACE, make_slab_layout(config, GEOMETRY, 1))
+
+
+def test_a_waiting_request_waits_while_another_computes_its_next_chunk() -> None:
+    sched = make()
+    prompt = tokens(5 * C + 3)
+    other = tokens(5 * C + 3, seed=7)
+    sched.add_request("a")
+    sched.add_request("b")
+    sched.add_request("x")
+    # a computes its first two chunks this step (chunked prefill): chunks 2..4 are to come
+    sched.schedule_step(StepInput(new=[NewRequest("a", table(1, 11))],
+                                  scheduled=[ScheduledTokens("a", prompt, 2 * C, len(prompt))]))
+    # b's HBM hit reaches what a computed: its next chunk (2) is a's to compute
+    assert sched.waits_for_producer("b", prompt, 2 * C)
+    assert sched.waits_for_producer("b", prompt, 2 * C + 16)  # inside chunk 2
+    assert not sched.waits_for_producer("b", prompt, 5 * C)  # past a's whole chunks
+    assert not sched.waits_for_producer("x", other, 0)  # another prefix
+    assert not sched.waits_for_producer("a", prompt, 2 * C)  # never itself
+    # a's prompt is computed: it produces nothing more (b's hit covers it next step)
+    sched.schedule_step(StepInput(scheduled=[ScheduledTokens("a", prompt, len(prompt),
+                                                             len(prompt), 2 * C)]))
+    assert not sched.waits_for_producer("b", prompt, 2 * C)
+
+
+def test_a_load_produces_its_chunks_until_preemption_or_finish() -> None:
+    sched = make()
+    prompt = tokens(4 * C + 3)
+    sched.add_request("w")
+    plan = sched.schedule_step(StepInput(new=[NewRequest("w", table(1, 9))],
+                                         scheduled=[ScheduledTokens("w", prompt, len(prompt),
+                                                                    len(prompt))]))
+    sched.on_report(WorkerReport(saves=ok(plan.saves)))
+    sched.request_finished("w")
+    sched.add_request("a")
+    sched.add_request("b")
+    assert sched.lookup("a", prompt, 0) == 4 * C
+    sched.start_load("a", 4 * C, table(20, 9))
+    assert sched.waits_for_producer("b", prompt, 0)  # a is loading chunk 0
+    sched.schedule_step(StepInput(preempted=["a"]))
+    assert not sched.waits_for_producer("b", prompt, 0)
+    sched.add_request("a")  # the id comes back as a new lifecycle
+    assert sched.lookup("a", prompt, 0) == 4 * C
+    sched.start_load("a", 4 * C, table(40, 9))
+    assert sched.waits_for_producer("b", prompt, C)
+    sched.request_finished("a")
+    assert not sched.waits_for_producer("b", prompt, C)
+
+
+def test_without_admission_nothing_is_tracked() -> None:
+    sched = make(admission=False)
+    prompt = tokens(5 * C)
+    sched.add_request("a")
+    sched.add_request("b")
+    sched.schedule_step(StepInput(new=[NewRequest("a", table(1, 10))],
+                                  scheduled=[ScheduledTokens("a", prompt, C, len(prompt))]))
+    assert sched.producers is None and not sched.waits_for_producer("b", prompt, C)
