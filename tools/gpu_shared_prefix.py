@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                 "prefill_s_per_token_estimate": sched.estimates.prefill_seconds_per_token,
                 "step_s_estimate": sched.estimates.step_seconds,
             }
+            admission = connector.scheduler_side.admission
+            if admission is not None:  # cache_aware_admission: its deferrals, by reason
+                res["kvtier"].update(admission.counters())
             print("kvtier:", res["kvtier"], flush=True)
         except AttributeError as e:
             print("kvtier stats unavailable:", e)
