@@ -50,7 +50,20 @@ def test_fits_when_the_free_blocks_hold_what_it_needs_beyond_its_hit() -> None:
     assert pool.get_num_free_blocks() == 20
     assert adm.fits(320, 0) and not adm.fits(321, 0)
     pool.get_new_blocks(15)
-    assert adm.fits(80, 0) and not adm.fits(81, 0) and adm.fits(400, 320)
+    assert adm.fits(80, 0) and not adm.fits(81, 0) and adm.fits(160, 80)
+    assert not adm.fits(400, 192)  # 13 blocks beyond a hit of less than half its prompt
+
+
+def test_a_warm_request_is_never_deferred_for_room() -> None:
+    """A request whose HBM hit covers half its prompt or more needs little beyond it: when even
+    that does not fit, vLLM's scan stops at it (it goes first once room appears), and no
+    deferral makes vLLM walk its long hit again every step."""
+    adm, pool = _admission()
+    pool.get_new_blocks(20)  # nothing free
+    adm.step_planned(Out(64), loading=False)
+    assert adm.fits(4000, 2000) and not adm.defer(Req("w", 4000), 2000, False)
+    assert adm.defer(Req("w2", 4000), 2000, True)  # but it still waits for a producer
+    assert adm.defer(Req("c", 4000), 1984, False)  # under half: deferred for room
 
 
 def test_deferred_while_busy_when_it_does_not_fit_or_waits_for_a_producer() -> None:

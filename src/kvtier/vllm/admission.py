@@ -12,6 +12,12 @@ Contract:
   0.32; a state group in ``align`` mode takes one block for a new request); the hit's own
   cached blocks that are evictable are not subtracted, so it errs towards *fits* (then vLLM
   stops its scan at the request, as without admission);
+- a request whose HBM hit covers at least half its prompt counts as fitting (*warm*): it needs
+  little beyond its hit, so when even that does not fit, the requests behind it rarely would;
+  vLLM's scan stops at it and it goes first once room appears, as without admission. Deferring
+  it would also cost the most: vLLM walks its whole HBM hit again every step it is scanned
+  (H200, Llama-8B shape, 17k-token prompts: about 0.5 ms a deferral, 1.2 s of scheduler time
+  in an 8.2 s run);
 - *busy*: the last step scheduled tokens, or kvtier has loads in flight;
 - a request that skips the prefix cache is never deferred (0.32 forces its hit to 0).
 """
@@ -64,7 +70,7 @@ class Admission:
         self.busy = bool(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) or loading
 
     def fits(self, num_tokens: int, hbm_tokens: int) -> bool:
-        if self.pool is None:
+        if self.pool is None or 2 * hbm_tokens >= num_tokens:
             return True
         return (int(self.pool.get_num_free_blocks())
                 >= blocks_needed(self.groups, num_tokens, hbm_tokens))
