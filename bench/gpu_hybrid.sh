@@ -65,8 +65,13 @@ elif [ "$STAGE" = gain ]; then
         extra=()
         [ "$c" = kvtier-admit ] && extra=(--kvtier-config cache_aware_admission=true)
         # in-process engine core: the autotune limit applies and kvtier's counters are read
+        # the first engine on a fresh machine JIT-compiles every FLA/Triton kernel in its
+        # untimed warm-up (H200 session 6: Kimi-Linear's first engine was still compiling at
+        # 135 s): FIRST_TIMEOUT for it, RUN_TIMEOUT for the rest
+        limit=${RUN_TIMEOUT:-240}
+        [ "$n" = 1 ] && limit=${FIRST_TIMEOUT:-$limit}
         GPU_TOOLS_AUTOTUNE_KEEP=${GAIN_KEEP:-1} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-            timeout "${RUN_TIMEOUT:-240}" python3 tools/gpu_shared_prefix.py \
+            timeout "$limit" python3 tools/gpu_shared_prefix.py \
             --model "${GAIN_MODEL:-kimi-linear}" --dram-gib "${DRAM_GIB:-16}" \
             --config "${c%%-*}" "${extra[@]}" --out "$W/sp_${n}_$c.json" > "$W/sp_${n}_$c.log" 2>&1
         echo "$c rc=$?: $(grep -E '^(hbm|big|kvtier|native): wall' "$W/sp_${n}_$c.log" | tail -1)"

@@ -155,3 +155,17 @@ def test_a_restore_held_to_vllm_s_hit_fails_on_outputs_only_where_that_hit_repea
     # NaN outputs void the check both ways
     assert not verdict(nan_outputs=True).passed_where_vllm_is_exact
     assert verdict().passed and verdict().why_failed == ""
+
+
+def test_where_vllm_s_hit_recomputed_restored_blocks_b_rests_on_the_bytes() -> None:
+    """A draft model's HBM hit drops its last block and computes it again: where those bytes
+    differ from run A's (the bytes kvtier restores), B cannot be held to C's outputs; the
+    check rests on B's bytes. Where C's bytes equal A's, B's outputs must equal C's."""
+    r = verdict(tokens_equal=False, logprobs_equal=False, hbm_hit_bytes_equal=False)
+    assert not r.passed and r.passed_where_vllm_is_exact
+    assert "C recomputed restored blocks with other bits than run A" in r.why_failed
+    r = verdict(tokens_equal=False, logprobs_equal=False, hbm_hit_bytes_equal=True)
+    assert not r.passed_where_vllm_is_exact
+    assert "C recomputed" not in r.why_failed
+    r = verdict(checksums_equal=False, hbm_hit_bytes_equal=False)
+    assert not r.passed_where_vllm_is_exact  # B's own bytes always count

@@ -234,6 +234,7 @@ def run_engine(args: argparse.Namespace, mode: str) -> dict[str, Any]:
               f"{r.cold_checked}; per prompt: "
               + "; ".join(f"{p.prompt_len} tokens: {p.why_failed or 'all equal'}"
                           f" (C2 = C: {p.hbm_hit_repeatable}, CF = C: {p.hbm_hit_fill_equal},"
+                          f" C's bytes = A's: {p.hbm_hit_bytes_equal},"
                           f" blocks {p.blocks_compared})"
                           for p in r.prompts),
               flush=True)

@@ -146,6 +146,11 @@ class PromptResult:
     # outputs depend on bytes outside the blocks it hits (slots past a sequence's end, other
     # blocks); B against CF: the same surroundings, other block ids
     hbm_hit_fill_equal: bool | None = None
+    # C's blocks at the positions kvtier restores, against run A's: False where vLLM's hit
+    # recomputed some of them with other bits (it drops the last block of a draft model's hit
+    # and computes it again, in another step than A did); B restores A's bytes there, so B's
+    # outputs cannot be held to C's
+    hbm_hit_bytes_equal: bool | None = None
     tokens_equal_fill: bool | None = None
     logprobs_equal_fill: bool | None = None
     tokens_b: list[int] = field(default_factory=list)
@@ -171,8 +176,10 @@ class PromptResult:
         cold_ok = (self.hbm_hit_equal_cold is False
                    or (self.tokens_equal_cold is not False
                        and self.logprobs_equal_cold is not False))
-        if self.hbm_hit_repeatable is False:
-            hit_ok = True  # vLLM's own hit differs from itself: outputs prove nothing
+        if self.hbm_hit_repeatable is False or self.hbm_hit_bytes_equal is False:
+            # vLLM's own hit differs from itself, or recomputed bytes B restores: B's outputs
+            # cannot be held to C's
+            hit_ok = True
         elif self.hbm_hit_fill_equal is False:  # B's reference is CF (module docstring)
             hit_ok = bool(self.tokens_equal_fill and self.logprobs_equal_fill)
         else:
@@ -188,6 +195,8 @@ class PromptResult:
             parts.append(f"B differs from vLLM's own hit C ({what})"
                          + (" and C differs from C again (vLLM's hit is not reproducible)"
                             if self.hbm_hit_repeatable is False else "")
+                         + (" and C recomputed restored blocks with other bits than run A"
+                            if self.hbm_hit_bytes_equal is False else "")
                          + (" and C differs from CF (vLLM's hit depends on bytes outside "
                             f"its blocks; B against CF: {self._fill_words()})"
                             if self.hbm_hit_fill_equal is False else ""))
@@ -362,9 +371,16 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
     h.llm.reset_prefix_cache()  # run A computes: nothing left in HBM from earlier checks
     outs_a = generate(h, prompts, params)
     sums_a = [_checksums(h, p) for p in prompts]
-    # C: vLLM's own prefix cache at the same boundary
-    outs_c = ([generate(h, [p], params)[0] for p in prompts] if one_at_a_time
-              else generate(h, prompts, params))
+    # C: vLLM's own prefix cache at the same boundary, and its blocks at the restored
+    # positions (read through C's block table, before anything else runs)
+    if one_at_a_time:
+        outs_c, sums_c = [], []
+        for p in prompts:
+            outs_c.append(generate(h, [p], params)[0])
+            sums_c.append(_checksums(h, p))
+    else:
+        outs_c = generate(h, prompts, params)
+        sums_c = [_checksums(h, p) for p in prompts]
     outs_c2: list[Any] = [None] * len(prompts)
     outs_cf: list[Any] = [None] * len(prompts)
     if hit_controls:
@@ -378,9 +394,10 @@ def restore_check(h: EngineHandles, prompts: list[list[int]], params: Any,
         sums_b += [_checksums(h, p) for p in group]  # before the next fill overwrites them
     c = h.kvtier.geometry.chunk_tokens
     results = [_compare(h, p, c, a, b, oa, oc, ob, cold[i] if cold is not None else None,
-                        oc2, ocf)
-               for i, (p, a, b, oa, oc, ob, oc2, ocf) in enumerate(
-                   zip(prompts, sums_a, sums_b, outs_a, outs_c, outs_b, outs_c2, outs_cf))]
+                        oc2, ocf, sc)
+               for i, (p, a, b, oa, oc, ob, oc2, ocf, sc) in enumerate(
+                   zip(prompts, sums_a, sums_b, outs_a, outs_c, outs_b, outs_c2, outs_cf,
+                       sums_c))]
     return RestoreResult(
         restored_tokens=stats.loaded_tokens - before[0],
         expected_restored=sum(r.expected_restored for r in results),
@@ -424,10 +441,11 @@ def _reset_and_fill(h: EngineHandles, fill_byte: int = FILL_BYTE) -> None:
 
 
 def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: Any, oc: Any,
-             ob: Any, d: Generated | None, oc2: Any = None, ocf: Any = None) -> PromptResult:
-    """One prompt's comparisons: B's blocks against A's, B's outputs against C's (and A's,
-    and the cold run D's where given), C's against C2's and CF's, and B's against CF's,
-    where given."""
+             ob: Any, d: Generated | None, oc2: Any = None, ocf: Any = None,
+             c: Sums | None = None) -> PromptResult:
+    """One prompt's comparisons: B's blocks against A's (and C's, where given), B's outputs
+    against C's (and A's, and the cold run D's where given), C's against C2's and CF's, and
+    B's against CF's, where given."""
     return PromptResult(
         prompt_len=len(p), expected_restored=(len(p) - 1) // chunk * chunk,
         checksums_equal=_same_blocks(a, b),
@@ -442,6 +460,7 @@ def _compare(h: EngineHandles, p: list[int], chunk: int, a: Sums, b: Sums, oa: A
                                                      and same_logprobs(oc, oc2)),
         hbm_hit_fill_equal=None if ocf is None else (same_tokens(oc, ocf)
                                                      and same_logprobs(oc, ocf)),
+        hbm_hit_bytes_equal=None if c is None else _same_blocks(a, c),
         tokens_equal_fill=None if ocf is None else same_tokens(ob, ocf),
         logprobs_equal_fill=None if ocf is None else same_logprobs(ob, ocf),
         blocks_compared=_compared(h, a, b),
