@@ -207,3 +207,34 @@ def test_the_random_runs_reach_every_drop_the_loop_knows() -> None:
         drops.update(run.ref.stats.saves_dropped)
     expected = {d.value for d in SaveDrop} - {SaveDrop.STORED.value}
     assert expected <= set(drops), drops
+
+
+def test_a_loaded_request_asks_no_save_check_for_the_chunks_it_loaded() -> None:
+    """The chunks a load covers are stored, and so are their ancestors: the request's first
+    step after its load asks the index (through the node-wide store: a round trip) only about
+    the chunks it computes itself."""
+    from test_scheduler import C, make_scheduler, ok, table, tokens
+
+    sched = make_scheduler()
+    prompt = tokens(4 * C + 3)
+    sched.add_request("w")
+    plan = sched.schedule_step(StepInput(new=[NewRequest("w", table(1, 9))],
+                                         scheduled=[ScheduledTokens("w", prompt, len(prompt),
+                                                                    len(prompt))]))
+    sched.on_report(WorkerReport(saves=ok(plan.saves)))
+    sched.request_finished("w")
+    longer = prompt[: 4 * C] + tokens(2 * C + 5, seed=9)  # 4 stored chunks, then 2 new
+    sched.add_request("r")
+    assert sched.lookup("r", longer, 0) == 4 * C
+    sched.start_load("r", 4 * C, table(20, 13))
+    asked: list[int] = []
+    real = sched.index.stored_or_writing
+
+    def spy(groups: int, keys: list[bytes]) -> list[list[bool]]:
+        asked.append(len(keys))
+        return real(groups, keys)
+
+    sched.index.stored_or_writing = spy  # type: ignore[method-assign]
+    plan = sched.schedule_step(StepInput(scheduled=[ScheduledTokens(
+        "r", longer, len(longer), len(longer), 4 * C)]))
+    assert asked == [2] and [j.chunk for j in plan.saves] == [4, 5]

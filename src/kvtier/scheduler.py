@@ -363,6 +363,11 @@ class OffloadScheduler:
         hit, hbm = st.pending_hit
         st.pending_hit = None
         self._set_blocks(st, block_ids)
+        if st.saved_chunks >= 0:
+            # the loaded chunks are stored, and so are their ancestors (a chunk is stored only
+            # under its parent, eviction takes leaves first): none needs a save check, which
+            # through the node-wide store is a round trip for the whole range
+            st.saved_chunks = max(st.saved_chunks, hit.boundary)
         geo = self.geometry
         entries: list[Entry] = []
         ops: list[TransferOp] = []
