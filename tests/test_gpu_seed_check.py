@@ -64,8 +64,11 @@ def test_the_cold_run_has_prefix_caching_off_and_no_connector(tmp_path: Path) ->
     assert kv["kv_transfer_config"].kv_connector == "ProbeConnector"
     extra = kv["kv_transfer_config"].kv_connector_extra_config
     assert extra["cost_model"] is False and extra["chunk_tokens"] == 1888
-    # a state family's cold steps end where the cached runs' do: the long prompt's 3 chunks
-    assert cold["max_num_batched_tokens"] == 3 * 1888 and kv["max_num_batched_tokens"] == 8192
+    # a state family's cold steps end where the cached runs' do (the long prompt's 3 chunks),
+    # and both engines have the same budget (the compile range and graph sizes follow it)
+    assert cold["max_num_batched_tokens"] == kv["max_num_batched_tokens"] == 3 * 1888
+    args.arch = "deepseek_v32"
+    assert tool.engine_kwargs(args, str(tmp_path), "kvtier")["max_num_batched_tokens"] == 8192
 
 
 def _selected_tokens(arch: str, folder: Path) -> int:

@@ -131,7 +131,11 @@ def engine_kwargs(args: argparse.Namespace, folder: str, mode: str) -> dict[str,
         # profiling of free memory under gpu_memory_utilization alone comes out at nothing
         kw.update(gpu_memory_utilization=args.gpu_mem, max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=4 << 30)
-        if mode == "cold" and args.arch in STATE_ARCHS and args.chunk:
+        if args.arch in STATE_ARCHS and args.chunk:
+            # the cold engine's steps end where the cached runs' do (STATE_ARCHS above); the
+            # kvtier engine gets the same budget, since torch.compile's compile range and the
+            # CUDA-graph sizes follow it and may pick other kernels (sessions 2-5: vLLM's own
+            # hit never equalled the cold run on Kimi-Linear, the budgets differed)
             kw["max_num_batched_tokens"] = 3 * args.chunk
     if mode != "cold":
         from vllm.config import KVTransferConfig
