@@ -136,8 +136,11 @@ class DiskChunkStore(ChunkStore):
     def _mine(self) -> _Staging:
         """This thread's staging buffers (an I/O thread moves one chunk at a time)."""
         me = threading.get_ident()
-        with self._lock:
-            return self._staging.setdefault(me, _Staging())
+        staging = self._staging.get(me)
+        if staging is None:  # not setdefault: that would map a page on every call
+            with self._lock:
+                staging = self._staging[me] = _Staging()
+        return staging
 
     def _open(self, path: Path, flags: int) -> int:
         if self.direct:
