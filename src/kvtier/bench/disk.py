@@ -14,7 +14,9 @@ same directory, page cache bypassed (issue 16; goal: the tier at >= 80% of dd).
   device's, so other processes' I/O counts too): a direct I/O moves in one request only where
   its buffer is physically contiguous, and ``dd``'s malloc'd buffer is so by chance (on the
   CI machine's virtio disk 2 MiB requests read 2-2.5 GB/s, 512 KiB ones 0.8-1.2), so a dd
-  pass of small requests is a low ceiling: the column says which passes were;
+  pass of small requests is a low ceiling: the column says which passes were, and the
+  per-pair ratios (tier pass over the dd pass of its pair) are given over every pair and over
+  the pairs whose dd pass moved whole chunks (mean request at least 95% of a chunk);
 - ``--rebuild N``: N chunk files (empty: a restart reads names only) and the time to scan the
   directory and rebuild the tier's index, as a warm restart does.
 
@@ -237,14 +239,34 @@ def _result(args: argparse.Namespace, chunk: int, n: int, passes: dict[str, list
             for k, v in passes.items()}
     ratio = {d: gbps[f"tier_{d}"]["median"] / gbps[f"dd_{d}"]["median"]
              for d in ("write", "read")}
+    per_pair = {d: _per_pair(passes[f"tier_{d}"], passes[f"dd_{d}"],
+                             request_kib.get(f"dd_{d}", []), chunk / 1024)
+                for d in ("write", "read")}
     return {
         "bench": "disk", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": platform.node(), "dir": args.dir, "chunk_bytes": chunk, "chunks": n,
         "pairs": args.pairs, "io_depth": args.io_depth,
         "job_chunks": args.job_chunks, "load_average": os.getloadavg(), "gbps": gbps,
-        "tier_vs_dd": ratio, "goal": GOAL,
+        "tier_vs_dd": ratio, "tier_vs_dd_per_pair": per_pair, "goal": GOAL,
         "met": {d: r >= GOAL for d, r in ratio.items()}, "rebuild": rebuild,
     }
+
+
+WHOLE = 0.95
+"""A dd pass moved whole chunks when its mean device request is at least this share of one."""
+
+
+def _per_pair(tier: list[float], dd: list[float], dd_kib: list[float], chunk_kib: float
+              ) -> dict[str, Any]:
+    """Each pair's tier/dd ratio; their median and spread over every pair and over the pairs
+    whose dd pass moved whole chunks (``whole``: absent without request sizes)."""
+    ratios = [t / d for t, d in zip(tier, dd, strict=True)]
+    out: dict[str, Any] = {"ratios": ratios, "all": _summary(ratios)}
+    if len(dd_kib) == len(ratios):
+        whole = [r for r, kib in zip(ratios, dd_kib, strict=True) if kib >= WHOLE * chunk_kib]
+        out["whole_pairs"] = len(whole)
+        out["whole"] = _summary(whole) if whole else None
+    return out
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -256,11 +278,21 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{k:<12}{v['median']:>12.2f}{v['min']:>8.2f}{v['max']:>8.2f}   {each}")
     for d, r in result["tier_vs_dd"].items():
         met = "met" if result["met"][d] else "NOT met"
-        print(f"tier/dd {d}: {r:.0%} (goal {GOAL:.0%}: {met})")
+        pp = result["tier_vs_dd_per_pair"][d]
+        line = (f"tier/dd {d}: {r:.0%} (goal {GOAL:.0%}: {met}); per pair {_spread(pp['all'])} "
+                f"over {len(pp['ratios'])}")
+        if "whole" in pp:
+            line += (f", {_spread(pp['whole'])} over the {pp['whole_pairs']} whose dd moved "
+                     "whole chunks" if pp["whole"] else ", no dd pass moved whole chunks")
+        print(line)
     if result["rebuild"]:
         rb = result["rebuild"]
         print(f"rebuild of {rb['chunks']:,} chunks: {rb['total_s']:.2f} s "
               f"(scan {rb['scan_s']:.2f} s)")
+
+
+def _spread(s: dict[str, float]) -> str:
+    return f"{s['median']:.0%} ({s['min']:.0%}-{s['max']:.0%})"
 
 
 def _report(result: dict[str, Any], out: str) -> None:
