@@ -39,6 +39,8 @@ def test_bench_disk_writes_pairs_medians_and_the_rebuild(tmp_path: Path,
             whole = [r for r, kib in zip(pp["ratios"], dd["request_kib"]) if kib >= 0.95 * 256]
             assert pp["whole_pairs"] == len(whole)
             assert (pp["whole"] is None) == (not whole)
+    assert len(result["tier_write_fsync_ms"]) == 2  # the write passes' fsync, timed apart
+    assert all(ms >= 0 for ms in result["tier_write_fsync_ms"])
     assert result["rebuild"]["chunks"] == 200
     printed = capsys.readouterr().out
     assert "tier/dd read" in printed and "rebuild of 200 chunks" in printed
