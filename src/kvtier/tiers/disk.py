@@ -69,13 +69,17 @@ _HEAD = struct.Struct("<8sIIII QQ 16s16s16s B")
 _DIGEST = 8
 _HEAD_TAIL = bytes(PAGE - _HEAD.size - _DIGEST)  # what a header page holds past its fields
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-DEFAULT_IO_DEPTH = 4
+DEFAULT_IO_DEPTH = 8
 """Chunks in flight per shard. On the CI machine's virtio disk (ext4, 2 MiB chunks, O_DIRECT,
 2 shared cores) reads reached 44-71% of ``dd``'s bandwidth one chunk at a time, 51-65% two
-at a time, 77-101% four at a time, 73% at eight (the cores oversubscribed; ``kvtier bench disk
---io-depth``, bench/results/2026-12-01-disk-cpu; then from 4 KiB pages, every chunk four
-requests; from huge pages raw reads ran alike at depth 1, 2 and 4, and 4 keeps the checksums
-of some chunks beside the reads of others); NVMe devices want more, never fewer."""
+at a time, 77-101% four at a time, 73% at eight while the checksum was NumPy's (the cores
+oversubscribed; ``kvtier bench disk --io-depth``, bench/results/2026-12-01-disk-cpu). With the
+file's checksum XXH3 (format 2), alternated runs of 12-20 pairs per depth on the same VM
+(bench/results/2026-12-02-cpu-disk-read, "Depth"): writes 1.14 GB/s at 4, 1.28 at 8, 1.32 at
+12 (medians), reads 1.70, 1.71, 1.80: a write is a file created and allocated, and more of
+them in flight hide that latency. 8 takes most of it at half the threads (and half the
+start-up probe, which moves ``2 * depth`` chunks) of 12; NVMe devices want more, never
+fewer."""
 
 
 def _align(n: int, a: int = PAGE) -> int:
