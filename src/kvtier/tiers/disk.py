@@ -29,13 +29,13 @@ wrong bytes.
 
 Why XXH3 and not the slab's checksum (:mod:`kvtier.checksum`): the file's checksum is the
 tier's CPU cost per chunk on every read and write, and on the 2-core CI machine that cost is
-what kept the tier under ``dd``'s bandwidth. NumPy's position-mixed sum runs at 4-7 GB/s on one
-core and holds the GIL between its passes; XXH3 (the ``xxhash`` package, which releases the
-GIL) at 19 GB/s on a 2 MiB chunk from memory, 60 GB/s from cache (``kvtier bench disk``,
-bench/results/2026-12-02-cpu-disk-read). The slab's checksum is kept where its properties are
-needed (partial sums per block position, computed in pieces on the GPU); a file is checked
-whole, so any good 64-bit hash serves, and a corrupted or foreign payload passes with
-probability about 2**-64, as with the sum.
+what kept the tier under ``dd``'s bandwidth. NumPy's position-mixed sum runs at 4-7 GB/s on
+one core and holds the GIL between its passes; XXH3 (the ``xxhash`` package, which releases
+the GIL) at 19-27 GB/s on a 2 MiB chunk from memory, about 60 from cache (the tier's reads
+went from 64% to 89% of ``dd``: bench/results/2026-12-02-cpu-disk-read). The slab's checksum
+stays where its properties are needed (partial sums per block position, computed in pieces
+on the GPU); a file is checked whole, so a good 64-bit hash serves, and a corrupted or
+foreign payload passes with probability about 2**-64, as with the sum.
 """
 
 from __future__ import annotations
