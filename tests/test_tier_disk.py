@@ -17,13 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.checksum import checksum, chunk_seed
 from kvtier.config import ConfigError
+from kvtier.keys import KEY_BYTES
 from kvtier.tiers.directory import DirectoryLock, check_disk_path, scan
 from kvtier.tiers.disk import (
     PAGE,
     DiskChunkStore,
+    OtherFormat,
     chunk_name,
     file_bytes,
+    file_checksum,
     namespace_dir,
     parse_chunk_name,
     shard_dir,
@@ -100,6 +104,121 @@ def test_a_file_of_another_shard_group_or_namespace_does_not_verify(tmp_path: Pa
     other = DiskChunkStore(root, 1, hashlib.blake2b(b"other", digest_size=16).digest())
     with pytest.raises(ChunkCorrupt):
         other.get(0, key(1), None, torch.empty_like(data))
+
+
+def test_a_flipped_byte_anywhere_in_the_file_is_a_miss(tmp_path: Path) -> None:
+    """Every byte of a chunk file is checked: each one of a file flipped in turn (the header's
+    fields, its digest, the rest of the header page, the payload, its padding) fails the read,
+    and the bytes never reach the caller; restored, the file reads again."""
+    s = store(tmp_path)
+    data = payload(1000, 5)  # less than a page: padding on disk too
+    s.put(0, key(1), key(0), data)
+    path = shard_dir(namespace_dir(tmp_path, NS), 0) / chunk_name(0, key(1), key(0))
+    size = path.stat().st_size
+    assert size == file_bytes(data.numel()) == 2 * PAGE
+    out = torch.zeros_like(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for at in range(size):
+            old = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([old[0] ^ (1 << at % 8)]), at)
+            with pytest.raises(ChunkCorrupt):
+                s.get(0, key(1), key(0), out)
+            os.pwrite(fd, old, at)
+    finally:
+        os.close(fd)
+    assert not out.any(), "bytes that did not verify reached the caller"
+    s.get(0, key(1), key(0), out)
+    assert torch.equal(out, data)
+
+
+def _rewrite_header(path: Path, **fields: object) -> None:
+    """Rewrite fields of a chunk file's header with a valid digest (what a misdirected or
+    stale write that kept a well-formed header would leave), the payload unchanged."""
+    from kvtier.tiers import disk
+
+    raw = bytearray(path.read_bytes())
+    names = ("magic", "version", "group", "shard", "zero", "length", "checksum", "namespace",
+             "key", "parent", "has_parent")
+    values = dict(zip(names, disk._HEAD.unpack(bytes(raw[: disk._HEAD.size]))))
+    values.update(fields)
+    head = disk._HEAD.pack(*(values[n] for n in names))
+    raw[: disk._HEAD.size + disk._DIGEST] = head + hashlib.blake2b(
+        head, digest_size=disk._DIGEST).digest()
+    path.write_bytes(bytes(raw))
+
+
+def test_a_file_holding_another_chunks_payload_is_a_miss(tmp_path: Path) -> None:
+    """The checksum is seeded with the chunk's key, group and shard: a file whose header
+    names the chunk asked for (digest valid) but whose payload and checksum are another
+    chunk's, group's or shard's does not verify, and a file under another chunk's name does
+    not either (its header names that chunk)."""
+    root = namespace_dir(tmp_path, NS)
+    data = payload(8192, 6)
+    s = store(tmp_path)
+    assert len({file_checksum(data, key(1), 0, 0), file_checksum(data, key(2), 0, 0),
+                file_checksum(data, key(1), 1, 0), file_checksum(data, key(1), 0, 1)}) == 4
+    s.put(0, key(1), None, data)
+    src = shard_dir(root, 0) / chunk_name(0, key(1), None)
+    out = torch.empty_like(data)
+    for g, sh, k in ((0, 0, key(2)), (1, 0, key(1)), (0, 1, key(1))):
+        dst = shard_dir(root, sh) / chunk_name(g, k, None)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(src.read_bytes())
+        with pytest.raises(ChunkCorrupt, match="names another chunk"):
+            store(tmp_path, sh).get(g, k, None, out)
+        _rewrite_header(dst, group=g, shard=sh, key=k)
+        with pytest.raises(ChunkCorrupt, match="checksum mismatch"):
+            store(tmp_path, sh).get(g, k, None, out)
+    s.get(0, key(1), None, out)  # the original still reads
+    assert torch.equal(out, data)
+
+
+def _version1_file(path: Path, data: torch.Tensor, k: bytes, parent: bytes | None) -> None:
+    """A chunk file as kvtier wrote it before format 2 (the same header; the payload summed
+    with kvtier.checksum.checksum under chunk_seed)."""
+    from kvtier.tiers import disk
+
+    body = torch.zeros(file_bytes(data.numel()) - PAGE, dtype=torch.uint8)
+    body[: data.numel()] = data
+    head = disk._HEAD.pack(disk.MAGIC, 1, 0, 0, 0, data.numel(),
+                           checksum(body, chunk_seed(k, 0, 0)), NS, k,
+                           parent or bytes(KEY_BYTES), parent is not None)
+    head += hashlib.blake2b(head, digest_size=disk._DIGEST).digest()
+    path.write_bytes(head + bytes(PAGE - len(head)) + body.numpy().tobytes())
+
+
+def test_a_file_of_the_previous_format_is_absent_not_corrupt(
+        tmp_path: Path, kvtier_caplog: pytest.LogCaptureFixture) -> None:
+    """A version-1 file (the NumPy sum) is no chunk of format 2: the read raises
+    OtherFormat, a KeyError, so a promotion counts it absent (forgotten and deleted by the
+    scheduler), not as corruption, and logs nothing; its bytes never reach a staged caller
+    (a slot read in place is not committed). The same file with a flipped version byte is
+    corrupt."""
+    root = namespace_dir(tmp_path, NS)
+    data = payload(8192, 7)
+    path = shard_dir(root, 0) / chunk_name(0, key(1), None)
+    path.parent.mkdir(parents=True)
+    _version1_file(path, data, key(1), None)
+    s = store(tmp_path)
+    out = torch.zeros_like(data)
+    with pytest.raises(OtherFormat, match="format version 1"):
+        s.get(0, key(1), None, out)
+    assert issubclass(OtherFormat, KeyError) and not issubclass(OtherFormat, ChunkCorrupt)
+    slots = page_aligned(1, 8192)
+    r = _runner(s, slots)
+    r.submit(TierJob(1, TierJobKind.PROMOTE, [TierOp(0, 0, key(1), None)]))
+    (c,) = _wait(r, 1)
+    r.close()
+    assert not c.ok and c.absent == [0] and c.corrupt == []
+    assert (r.absent_reads, r.corrupt_reads) == (1, 0)
+    assert not [m for m in kvtier_caplog.messages if "did not verify" in m]
+    assert not out.any()
+    raw = bytearray(path.read_bytes())
+    raw[8] ^= 0x02  # the version field: 1 -> 3, its digest now wrong
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChunkCorrupt, match="digest"):
+        store(tmp_path).get(0, key(1), None, out)
 
 
 def _runner(st: DiskChunkStore | MemoryChunkStore, slots: torch.Tensor) -> TierRunner:

@@ -95,6 +95,55 @@ def test_a_corrupted_chunk_is_recomputed_counted_and_forgotten(tmp_path: Path) -
     again.close()
 
 
+def _as_format_1(path: Path, shard: int = 0) -> None:
+    """Rewrite a chunk file as the previous format wrote it: the same header and payload,
+    version 1, the payload summed with kvtier.checksum.checksum under chunk_seed."""
+    import hashlib
+
+    import torch
+
+    from kvtier.checksum import checksum, chunk_seed
+    from kvtier.tiers import disk
+
+    raw = bytearray(path.read_bytes())
+    f = list(disk._HEAD.unpack(bytes(raw[: disk._HEAD.size])))
+    group, key = f[2], f[8]
+    body = torch.frombuffer(bytearray(raw[PAGE:]), dtype=torch.uint8)
+    f[1], f[6] = 1, checksum(body, chunk_seed(key, group, shard))
+    head = disk._HEAD.pack(*f)
+    raw[: disk._HEAD.size + disk._DIGEST] = head + hashlib.blake2b(
+        head, digest_size=disk._DIGEST).digest()
+    path.write_bytes(bytes(raw))
+
+
+def test_files_of_the_previous_format_are_misses_forgotten_and_deleted(tmp_path: Path) -> None:
+    """After an upgrade across the file format, a restarted server keeps the old files in its
+    index (names only) but never reads them as bytes: the promotion that meets one treats it
+    as gone (vanished, not a checksum failure), the prompt is recomputed bit for bit, and the
+    files are deleted."""
+    loop = Loop(config(tmp_path))
+    prompts = fill(loop, 7)
+    loop.close()
+    root = Path(loop.disk.lower.root)  # type: ignore[union-attr]
+    old = {c.name.key: c.name for c in scan(root, 1).chunks}
+    keys = loop.keys(prompts[0])
+    paths = [shard_dir(root, 0) / chunk_name(0, k, old[k].parent) for k in keys]
+    for p in paths:
+        _as_format_1(p)
+    again = Loop(config(tmp_path))
+    ts = again.sched.tier
+    assert ts is not None and ts.catalog.index.match(0, keys) == 3
+    n, _, same = again.restore("after-upgrade", prompts[0])
+    assert same and n == 0
+    assert ts.stats.vanished == 3 and ts.stats.checksum_failures == 0  # one job read all 3
+    assert again.ranks[0].worker.tiers["disk"].corrupt_reads == 0  # type: ignore[union-attr]
+    again.settle()
+    assert not any(p.exists() for p in paths)  # forgotten and deleted
+    assert ts.catalog.index.match(0, keys) == 0
+    again.sched.check_drained()
+    again.close()
+
+
 def test_a_second_engine_on_the_same_directory_is_refused(tmp_path: Path) -> None:
     from kvtier.config import ConfigError
 

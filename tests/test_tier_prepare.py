@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from _disk_loop import CHUNK, Loop, config, prompt
-from kvtier.protocol import StepPlan
+from kvtier.checksum import key_seed
+from kvtier.protocol import StepPlan, TransferOp
 from kvtier.testing.corruption import flip_stored_byte, slot_of_chunk
 
 
@@ -96,6 +99,43 @@ def test_a_chunk_flipped_in_dram_is_never_demoted_as_good(tmp_path: Path) -> Non
     assert s.index.match(0, keys) == 0  # and DRAM dropped the bad chunk with its child
     n, _, same = loop.restore("again", a)
     assert same and n == CHUNK  # chunk 0 from disk; the flipped byte is never restored
+    loop.settle()
+    s.check_drained()
+    loop.close()
+
+
+@pytest.mark.parametrize("sums_written", [True, False], ids=["promoted", "control-no-sums"])
+def test_a_promoted_chunk_gets_the_slab_checksums_its_verified_load_checks(
+        tmp_path: Path, sums_written: bool) -> None:
+    """A file is verified by its own checksum (XXH3, kvtier.tiers.disk.file_checksum), not by
+    the slab's: with verify_checksums the worker then stores the slot's slab checksums
+    (kvtier.checksum, computed from the bytes that landed), and the verified load that follows
+    passes with rows equal to what a save stores. The control skips that step: the same load
+    fails its verification, so the test sees a promotion that leaves the rows stale."""
+    loop = Loop(config(tmp_path, verify_checksums=True))
+    w = loop.ranks[0].worker
+    if not sums_written:
+        w._promoted = lambda op: None  # type: ignore[method-assign]
+    a = prompt(0)
+    loop.prefill("a", a)
+    loop.settle()
+    for i in range(1, 7):  # a's chunks leave DRAM for the disk
+        loop.prefill(f"p{i}", prompt(i))
+        loop.settle()
+    s, t = loop.sched, loop.sched.tier
+    assert t is not None
+    keys = loop.keys(a)
+    assert s.index.match(0, keys) == 0 and t.catalog.index.match(0, keys) == 3
+    n, _, same = loop.restore("again", a)
+    assert t.stats.promotions == 3 and t.stats.checksum_failures == 0  # the files verified
+    if not sums_written:
+        assert w.checksum_failures >= 1  # the load found the slab's rows stale
+        loop.close()
+        return
+    assert (n, same) == (3 * CHUNK, True) and w.checksum_failures == 0
+    for i, k in enumerate(keys):
+        _, slot = slot_of_chunk(s, a, i)
+        assert w.mover.check([TransferOp(0, slot, [], key_seed(k))], skip=False) == []
     loop.settle()
     s.check_drained()
     loop.close()

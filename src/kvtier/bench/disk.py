@@ -4,8 +4,10 @@ same directory, page cache bypassed (issue 16; goal: the tier at >= 80% of dd).
 - tier write: ``--total-mib / --chunk-mib`` chunks demoted through a
   :class:`~kvtier.tiers.seam.TierRunner` in jobs of ``--job-chunks`` (as the workers do:
   :meth:`kvtier.tiers.disk.DiskChunkStore.put`, O_DIRECT, header, checksum, atomic rename,
-  ``--io-depth`` chunks in flight) then an fsync of every file and the directory; tier read: each promoted back (``get``,
-  O_DIRECT: every read is cold), verifying every checksum and the bytes;
+  ``--io-depth`` chunks in flight) then an fsync of every file and the directory (timed
+  with the pass; its share is reported as ``tier_write_fsync_ms``: ``dd`` fsyncs its one
+  file once); tier read: each promoted back (``get``, O_DIRECT: every read is cold),
+  verifying every checksum and the bytes;
 - dd: ``dd oflag=direct conv=fsync`` writing one file of the same size in chunk-size blocks,
   then ``dd iflag=direct`` reading it;
 - ``--pairs`` alternations of (tier, dd), so load from other processes hits both alike; the
@@ -14,7 +16,9 @@ same directory, page cache bypassed (issue 16; goal: the tier at >= 80% of dd).
   device's, so other processes' I/O counts too): a direct I/O moves in one request only where
   its buffer is physically contiguous, and ``dd``'s malloc'd buffer is so by chance (on the
   CI machine's virtio disk 2 MiB requests read 2-2.5 GB/s, 512 KiB ones 0.8-1.2), so a dd
-  pass of small requests is a low ceiling: the column says which passes were;
+  pass of small requests is a low ceiling: the column says which passes were, and the
+  per-pair ratios (tier pass over the dd pass of its pair) are given over every pair and over
+  the pairs whose dd pass moved whole chunks (mean request at least 95% of a chunk);
 - ``--rebuild N``: N chunk files (empty: a restart reads names only) and the time to scan the
   directory and rebuild the tier's index, as a warm restart does.
 
@@ -58,10 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int,
-               requests: DeviceRequests) -> tuple[float, float]:
+               requests: DeviceRequests) -> tuple[float, float, float]:
     """One write and one read pass of ``n`` chunks, driven as the workers drive the tier: a
     :class:`~kvtier.tiers.seam.TierRunner` running jobs of ``job_chunks`` chunks (a prefix's
-    chain), up to ``depth`` chunks in flight."""
+    chain), up to ``depth`` chunks in flight. Write and read GB/s, and the milliseconds of
+    the write pass that the fsync of its files took."""
     import torch
 
     from kvtier.tiers.disk import DiskChunkStore
@@ -77,13 +82,17 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int,
     keys = [i.to_bytes(16, "little") for i in range(n)]
     ops = [TierOp(0, i % job_chunks, k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
 
+    synced = [0.0]
+
     def timed(kind: TierJobKind) -> float:
         t0 = time.perf_counter()
         for j in range(0, n, job_chunks):
             runner.submit(TierJob(j, kind, ops[j : j + job_chunks]))
         runner.drain()
         if kind is TierJobKind.DEMOTE:
+            t1 = time.perf_counter()
             _fsync_tree(store.dir)
+            synced[0] = time.perf_counter() - t1
         seconds = time.perf_counter() - t0
         failed = [c for c in runner.poll() if not c.ok]
         if failed:
@@ -103,7 +112,7 @@ def _tier_pass(root: Path, chunk: int, n: int, depth: int, job_chunks: int,
     if not torch.equal(slots, want) or not direct:
         raise RuntimeError("the tier's bytes differ, or the filesystem refused O_DIRECT "
                            "(the numbers would be the page cache's)")
-    return n * chunk / write / 1e9, n * chunk / read / 1e9
+    return n * chunk / write / 1e9, n * chunk / read / 1e9, synced[0] * 1e3
 
 
 def _page_aligned(nbytes: int) -> Any:
@@ -213,11 +222,14 @@ def run(args: argparse.Namespace) -> int:
     passes: dict[str, list[float]] = {k: [] for k in
                                       ("tier_write", "tier_read", "dd_write", "dd_read")}
     requests = DeviceRequests(base)
+    fsync_ms: list[float] = []
     try:
         for _ in range(args.pairs):
-            w, r = _tier_pass(base / "tier", chunk, n, depth, args.job_chunks, requests)
+            w, r, synced = _tier_pass(base / "tier", chunk, n, depth, args.job_chunks,
+                                      requests)
             passes["tier_write"].append(w)
             passes["tier_read"].append(r)
+            fsync_ms.append(synced)
             w, r = _dd_pass(base / "dd.bin", chunk, n, requests)
             passes["dd_write"].append(w)
             passes["dd_read"].append(r)
@@ -225,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result = _result(args, chunk, n, passes, rebuild, requests.kib)
+    result["tier_write_fsync_ms"] = fsync_ms  # per pair: the share of its write pass
     _print(result)
     _report(result, args.out)
     return 0
@@ -237,14 +250,34 @@ def _result(args: argparse.Namespace, chunk: int, n: int, passes: dict[str, list
             for k, v in passes.items()}
     ratio = {d: gbps[f"tier_{d}"]["median"] / gbps[f"dd_{d}"]["median"]
              for d in ("write", "read")}
+    per_pair = {d: _per_pair(passes[f"tier_{d}"], passes[f"dd_{d}"],
+                             request_kib.get(f"dd_{d}", []), chunk / 1024)
+                for d in ("write", "read")}
     return {
         "bench": "disk", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": platform.node(), "dir": args.dir, "chunk_bytes": chunk, "chunks": n,
         "pairs": args.pairs, "io_depth": args.io_depth,
         "job_chunks": args.job_chunks, "load_average": os.getloadavg(), "gbps": gbps,
-        "tier_vs_dd": ratio, "goal": GOAL,
+        "tier_vs_dd": ratio, "tier_vs_dd_per_pair": per_pair, "goal": GOAL,
         "met": {d: r >= GOAL for d, r in ratio.items()}, "rebuild": rebuild,
     }
+
+
+WHOLE = 0.95
+"""A dd pass moved whole chunks when its mean device request is at least this share of one."""
+
+
+def _per_pair(tier: list[float], dd: list[float], dd_kib: list[float], chunk_kib: float
+              ) -> dict[str, Any]:
+    """Each pair's tier/dd ratio; their median and spread over every pair and over the pairs
+    whose dd pass moved whole chunks (``whole``: absent without request sizes)."""
+    ratios = [t / d for t, d in zip(tier, dd, strict=True)]
+    out: dict[str, Any] = {"ratios": ratios, "all": _summary(ratios)}
+    if len(dd_kib) == len(ratios):
+        whole = [r for r, kib in zip(ratios, dd_kib, strict=True) if kib >= WHOLE * chunk_kib]
+        out["whole_pairs"] = len(whole)
+        out["whole"] = _summary(whole) if whole else None
+    return out
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -256,11 +289,25 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{k:<12}{v['median']:>12.2f}{v['min']:>8.2f}{v['max']:>8.2f}   {each}")
     for d, r in result["tier_vs_dd"].items():
         met = "met" if result["met"][d] else "NOT met"
-        print(f"tier/dd {d}: {r:.0%} (goal {GOAL:.0%}: {met})")
+        pp = result["tier_vs_dd_per_pair"][d]
+        line = (f"tier/dd {d}: {r:.0%} (goal {GOAL:.0%}: {met}); per pair {_spread(pp['all'])} "
+                f"over {len(pp['ratios'])}")
+        if "whole" in pp:
+            line += (f", {_spread(pp['whole'])} over the {pp['whole_pairs']} whose dd moved "
+                     "whole chunks" if pp["whole"] else ", no dd pass moved whole chunks")
+        print(line)
+    if result.get("tier_write_fsync_ms"):
+        ms = result["tier_write_fsync_ms"]
+        print(f"the tier's write passes include an fsync of each file: "
+              f"{statistics.median(ms):.0f} ms median ({min(ms):.0f}-{max(ms):.0f})")
     if result["rebuild"]:
         rb = result["rebuild"]
         print(f"rebuild of {rb['chunks']:,} chunks: {rb['total_s']:.2f} s "
               f"(scan {rb['scan_s']:.2f} s)")
+
+
+def _spread(s: dict[str, float]) -> str:
+    return f"{s['median']:.0%} ({s['min']:.0%}-{s['max']:.0%})"
 
 
 def _report(result: dict[str, Any], out: str) -> None:

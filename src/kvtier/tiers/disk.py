@@ -13,14 +13,29 @@ one file per chunk of this shard; temporary files start with ``.`` and end with 
 A file is a 4 KiB header, then the payload padded to 4 KiB (O_DIRECT needs aligned lengths):
 
     magic(8) version(4) group(4) shard(4) 0(4) payload_len(8) checksum(8) namespace(16)
-    key(16) parent(16) has_parent(1) header_digest(8, blake2b of what precedes it)
+    key(16) parent(16) has_parent(1) header_digest(8, blake2b of what precedes it), then zeros
 
-``checksum`` is :func:`kvtier.checksum.checksum` of the padded payload under
-:func:`kvtier.checksum.chunk_seed` (key, group, shard), so a file holding another chunk's, group's
-or shard's bytes fails like a flipped bit. Crash safety: a writer killed mid-write leaves only
-its temporary file (removed at the next start); a rename either happened whole or not at all.
-Power loss is not covered by ordering (no fsync per chunk, for speed): a torn file there fails
-its checksum on read and is a miss, never wrong bytes.
+``checksum`` is :func:`file_checksum`: XXH3-64 of the padded payload seeded with
+:func:`kvtier.checksum.chunk_seed` (key, group, shard), so a file holding another chunk's,
+group's or shard's bytes fails like a flipped bit; every byte of the file is checked on read
+(the payload and its padding by the checksum, the header's fields by its digest and against
+the chunk asked for, the rest of the header page for zeros). A file of another format version
+(version 1 summed its payload with :func:`kvtier.checksum.checksum`) is no chunk of this one:
+:class:`OtherFormat`, a miss that is forgotten like an absent chunk, never read as bytes.
+Crash safety: a writer killed mid-write leaves only its temporary file (removed at the next
+start); a rename either happened whole or not at all. Power loss is not covered by ordering (no
+fsync per chunk, for speed): a torn file there fails its checksum on read and is a miss, never
+wrong bytes.
+
+Why XXH3 and not the slab's checksum (:mod:`kvtier.checksum`): the file's checksum is the
+tier's CPU cost per chunk on every read and write, and on the 2-core CI machine that cost is
+what kept the tier under ``dd``'s bandwidth. NumPy's position-mixed sum runs at 4-7 GB/s on
+one core and holds the GIL between its passes; XXH3 (the ``xxhash`` package, which releases
+the GIL) at 19-27 GB/s on a 2 MiB chunk from memory, about 60 from cache (the tier's reads
+went from 64% to 89% of ``dd``: bench/results/2026-12-02-cpu-disk-read). The slab's checksum
+stays where its properties are needed (partial sums per block position, computed in pieces
+on the GPU); a file is checked whole, so a good 64-bit hash serves, and a corrupted or
+foreign payload passes with probability about 2**-64, as with the sum.
 """
 
 from __future__ import annotations
@@ -37,26 +52,34 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
-from kvtier.checksum import checksum, chunk_seed
+from kvtier.checksum import chunk_seed
 from kvtier.huge_pages import huge_page_buffer
 from kvtier.keys import KEY_BYTES
 from kvtier.tiers.seam import ChunkCorrupt, ChunkStore, TierFull
 
 PAGE = 4096
 MAGIC = b"KVTCHNK1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the payload's checksum is XXH3-64 (:func:`file_checksum`); 1 (until 2026-12-02): the
+slab's :func:`kvtier.checksum.checksum`."""
 SUFFIX = ".kvc"
 _HEAD = struct.Struct("<8sIIII QQ 16s16s16s B")
 _DIGEST = 8
+_HEAD_TAIL = bytes(PAGE - _HEAD.size - _DIGEST)  # what a header page holds past its fields
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-DEFAULT_IO_DEPTH = 4
+DEFAULT_IO_DEPTH = 8
 """Chunks in flight per shard. On the CI machine's virtio disk (ext4, 2 MiB chunks, O_DIRECT,
 2 shared cores) reads reached 44-71% of ``dd``'s bandwidth one chunk at a time, 51-65% two
-at a time, 77-101% four at a time, 73% at eight (the cores oversubscribed; ``kvtier bench disk
---io-depth``, bench/results/2026-12-01-disk-cpu; then from 4 KiB pages, every chunk four
-requests; from huge pages raw reads ran alike at depth 1, 2 and 4, and 4 keeps the checksums
-of some chunks beside the reads of others); NVMe devices want more, never fewer."""
+at a time, 77-101% four at a time, 73% at eight while the checksum was NumPy's (the cores
+oversubscribed; ``kvtier bench disk --io-depth``, bench/results/2026-12-01-disk-cpu). With the
+file's checksum XXH3 (format 2), alternated runs of 12-20 pairs per depth on the same VM
+(bench/results/2026-12-02-cpu-disk-read, "Depth"): writes 1.14 GB/s at 4, 1.28 at 8, 1.32 at
+12 (medians), reads 1.70, 1.71, 1.80: a write is a file created and allocated, and more of
+them in flight hide that latency. 8 takes most of it at half the threads (and half the
+start-up probe, which moves ``2 * depth`` chunks) of 12; NVMe devices want more, never
+fewer."""
 
 
 def _align(n: int, a: int = PAGE) -> int:
@@ -101,6 +124,20 @@ def parse_chunk_name(name: str) -> ChunkName | None:
     return ChunkName(int(parts[2][1:]), key, parent)
 
 
+class OtherFormat(KeyError):
+    """A well-formed chunk file of another format version (an older kvtier's): not a chunk
+    this version reads. A subclass of KeyError, so a promotion counts it absent (a miss, the
+    chunk forgotten and its file deleted), not as corruption."""
+
+
+def file_checksum(payload: torch.Tensor, key: bytes, group: int, shard: int) -> int:
+    """The checksum a chunk file stores for ``payload`` (contiguous uint8, as written: padded
+    to whole pages): XXH3-64 seeded with :func:`kvtier.checksum.chunk_seed` of the chunk's
+    key, group and shard. The GIL is released while it runs."""
+    return xxhash.xxh3_64_intdigest(memoryview(payload.numpy()),
+                                    seed=chunk_seed(key, group, shard))
+
+
 def file_bytes(payload_bytes: int) -> int:
     """Bytes one chunk of ``payload_bytes`` takes on disk (header and padding included)."""
     return PAGE + _align(payload_bytes)
@@ -136,8 +173,11 @@ class DiskChunkStore(ChunkStore):
     def _mine(self) -> _Staging:
         """This thread's staging buffers (an I/O thread moves one chunk at a time)."""
         me = threading.get_ident()
-        with self._lock:
-            return self._staging.setdefault(me, _Staging())
+        staging = self._staging.get(me)
+        if staging is None:  # not setdefault: that would map a page on every call
+            with self._lock:
+                staging = self._staging[me] = _Staging()
+        return staging
 
     def _open(self, path: Path, flags: int) -> int:
         if self.direct:
@@ -173,7 +213,7 @@ class DiskChunkStore(ChunkStore):
             np.copyto(body[:n].numpy(), data.numpy())
             body[n:].numpy().fill(0)
         self._write_header(staging.head, group, key, parent, n,
-                           checksum(body, chunk_seed(key, group, self.shard)))
+                           file_checksum(body, key, group, self.shard))
         final = self.dir / chunk_name(group, key, parent)
         tmp = self.dir / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -226,25 +266,34 @@ class DiskChunkStore(ChunkStore):
             os.close(fd)
         if got != total:
             raise ChunkCorrupt(f"{path.name}: short read ({got} of {total} bytes)")
-        head = bytes(staging.head[: _HEAD.size + _DIGEST])
-        self._verify_header(head, group, key, parent, n, path)
-        stored = _HEAD.unpack(head[: _HEAD.size])[6]
-        if checksum(body, chunk_seed(key, group, self.shard)) != stored:
+        stored = self._verify_header(staging.head, group, key, parent, n, path)
+        if file_checksum(body, key, group, self.shard) != stored:
             raise ChunkCorrupt(f"{path.name}: checksum mismatch")
         if not in_place:
             np.copyto(out.numpy(), body[:n].numpy())
         return total
 
-    def _verify_header(self, raw: bytes, group: int, key: bytes, parent: bytes | None,
-                       n: int, path: Path) -> None:
-        head, digest = raw[: _HEAD.size], raw[_HEAD.size :]
+    def _verify_header(self, page: memoryview, group: int, key: bytes, parent: bytes | None,
+                       n: int, path: Path) -> int:
+        """Check the header page read from ``path`` against the chunk asked for; returns the
+        payload checksum it stores. :class:`ChunkCorrupt` for any damage (the digest of the
+        fields, a field naming another chunk, a byte past them that is not zero),
+        :class:`OtherFormat` for an intact header of another format version."""
+        end = _HEAD.size + _DIGEST
+        head, digest = bytes(page[: _HEAD.size]), bytes(page[_HEAD.size : end])
         if hashlib.blake2b(head, digest_size=_DIGEST).digest() != digest:
             raise ChunkCorrupt(f"{path.name}: header digest mismatch")
-        magic, ver, g, shard, _, length, _, ns, k, p, has_p = _HEAD.unpack(head)
-        want = (MAGIC, FORMAT_VERSION, group, self.shard, n, self.namespace, key,
+        magic, ver, g, shard, _, length, stored, ns, k, p, has_p = _HEAD.unpack(head)
+        if magic == MAGIC and ver != FORMAT_VERSION:
+            raise OtherFormat(f"{path.name}: format version {ver}, this kvtier reads "
+                              f"{FORMAT_VERSION}")
+        want = (MAGIC, group, self.shard, n, self.namespace, key,
                 parent or bytes(KEY_BYTES), parent is not None)
-        if (magic, ver, g, shard, length, ns, k, p, bool(has_p)) != want:
+        if (magic, g, shard, length, ns, k, p, bool(has_p)) != want:
             raise ChunkCorrupt(f"{path.name}: header names another chunk or format")
+        if page[end:PAGE] != _HEAD_TAIL:
+            raise ChunkCorrupt(f"{path.name}: header page not zero past its fields")
+        return int(stored)
 
     def delete(self, group: int, key: bytes, parent: bytes | None) -> None:
         with contextlib.suppress(FileNotFoundError):
