@@ -172,7 +172,7 @@ def stats(sub: str, configs: list[str]) -> dict[str, dict]:
 off = stats("admission-off", ["kvtier"])["kvtier"]
 assert off["loads_ok"] > 0 and off["loads_failed"] == 0, off  # HBM is short: restores
 on = stats("admission-on", ["kvtier", "kvtier-null-copy"])["kvtier"]
-assert on["cold_deferred"] > 0, on  # defer_cold_requests took effect
+assert on["admission_deferred"] > 0, on  # cache_aware_admission took effect
 assert (w.parent / "offline-tiny.tgz").stat().st_size > 0
 EOF
 
