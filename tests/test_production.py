@@ -6,12 +6,9 @@ preempted or finished request produces nothing; a request never waits for itself
 
 from __future__ import annotations
 
-from kvtier.config import KvtierConfig
-from kvtier.planner import make_slab_layout
 from kvtier.production import ChunkProducers
-from kvtier.protocol import WorkerReport
 from kvtier.scheduler import NewRequest, OffloadScheduler, ScheduledTokens, StepInput
-from test_scheduler import GEOMETRY, NAMESPACE, C, ok, table, tokens
+from test_scheduler import C, make_scheduler, stored, table, tokens
 
 
 def test_producers_register_once_and_stop_idempotently() -> None:
@@ -31,8 +28,7 @@ def test_producers_register_once_and_stop_idempotently() -> None:
 
 
 def make(admission: bool = True) -> OffloadScheduler:
-    config = KvtierConfig(dram_size="4MiB", cost_model=False, cache_aware_admission=admission)
-    return OffloadScheduler(config, GEOMETRY, NAMESPACE, make_slab_layout(config, GEOMETRY, 1))
+    return make_scheduler(cache_aware_admission=admission)
 
 
 def test_a_waiting_request_waits_while_another_computes_its_next_chunk() -> None:
@@ -61,11 +57,7 @@ def test_a_load_produces_its_chunks_until_preemption_or_finish() -> None:
     sched = make()
     prompt = tokens(4 * C + 3)
     sched.add_request("w")
-    plan = sched.schedule_step(StepInput(new=[NewRequest("w", table(1, 9))],
-                                         scheduled=[ScheduledTokens("w", prompt, len(prompt),
-                                                                    len(prompt))]))
-    sched.on_report(WorkerReport(saves=ok(plan.saves)))
-    sched.request_finished("w")
+    stored(sched, "w", prompt, table(1, 9))
     sched.add_request("a")
     sched.add_request("b")
     assert sched.lookup("a", prompt, 0) == 4 * C

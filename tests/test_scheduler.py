@@ -61,6 +61,15 @@ def ok(jobs: Sequence[Job], ranks: int = 1) -> dict[int, list[int]]:
     return {j.job_id: [ranks, 0] for j in jobs}
 
 
+def stored(sched: OffloadScheduler, req_id: str, prompt: Sequence[int],
+           blocks: list[list[int]]) -> None:
+    """``req_id`` computes ``prompt`` in one step, every rank reports its saves, it finishes:
+    the prompt's whole chunks are stored."""
+    plan = new_step(sched, req_id, prompt, blocks, len(prompt))
+    sched.on_report(WorkerReport(saves=ok(plan.saves)))
+    sched.request_finished(req_id)
+
+
 def test_save_commit_lookup_load_report() -> None:
     sched = make_scheduler()
     p = tokens(100)  # 3 whole chunks and 4 tokens

@@ -213,16 +213,12 @@ def test_a_loaded_request_asks_no_save_check_for_the_chunks_it_loaded() -> None:
     """The chunks a load covers are stored, and so are their ancestors: the request's first
     step after its load asks the index (through the node-wide store: a round trip) only about
     the chunks it computes itself."""
-    from test_scheduler import C, make_scheduler, ok, table, tokens
+    from test_scheduler import C, make_scheduler, stored, table, tokens
 
     sched = make_scheduler()
     prompt = tokens(4 * C + 3)
     sched.add_request("w")
-    plan = sched.schedule_step(StepInput(new=[NewRequest("w", table(1, 9))],
-                                         scheduled=[ScheduledTokens("w", prompt, len(prompt),
-                                                                    len(prompt))]))
-    sched.on_report(WorkerReport(saves=ok(plan.saves)))
-    sched.request_finished("w")
+    stored(sched, "w", prompt, table(1, 9))
     longer = prompt[: 4 * C] + tokens(2 * C + 5, seed=9)  # 4 stored chunks, then 2 new
     sched.add_request("r")
     assert sched.lookup("r", longer, 0) == 4 * C

@@ -58,7 +58,6 @@ class Situation:
 
 @dataclass
 class _Record:
-    first_step: int
     first_s: float
     steps: int = 0  # distinct engine steps it was deferred in (steps only grow)
     last_step: int = -1
@@ -87,7 +86,7 @@ class Deferrals:
             if self.active(step) >= self.limits.max_deferred:
                 self.declined_full += 1
                 return False
-            rec = self._records[req_id] = _Record(step, now)
+            rec = self._records[req_id] = _Record(now)
         new_step = step != rec.last_step
         if ((new_step and rec.steps >= self.limits.max_steps)
                 or (now - rec.first_s) * 1000.0 >= self.limits.max_ms):

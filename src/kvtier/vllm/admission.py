@@ -75,10 +75,14 @@ class Admission:
         return (int(self.pool.get_num_free_blocks())
                 >= blocks_needed(self.groups, num_tokens, hbm_tokens))
 
+    @property
+    def may_defer(self) -> bool:
+        """Whether any lookup may be deferred now: the cheap test a caller makes before it
+        asks who produces the request's next chunk (:class:`Situation` holds the rule)."""
+        return not self.priority and self.busy
+
     def defer(self, request: Any, hbm_tokens: int, waits_for_producer: bool) -> bool:
         """Whether to answer this lookup with ``None`` (asked again next step)."""
-        if self.priority or not self.busy:
-            return False  # cheap exits first: the checks below cost a little
         situation = Situation(waits_for_producer=waits_for_producer,
                               fits=self.fits(int(request.num_tokens), hbm_tokens),
                               busy=self.busy, priority=self.priority)

@@ -118,7 +118,7 @@ class SchedulerSide:
     def _admission_defers(self, request: Any, local_hit: int) -> bool:
         """Cache-aware admission (:mod:`kvtier.vllm.admission`), before kvtier's lookup."""
         adm, sched = self.admission, self.scheduler
-        if (adm is None or sched is None or adm.priority or not adm.busy
+        if (adm is None or sched is None or not adm.may_defer
                 or self.setup.disabled_reason or compat.skips_prefix_cache(request)):
             return False
         self._ensure_request(request)
