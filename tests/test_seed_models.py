@@ -10,6 +10,7 @@ bare run, tools/gpu_bare_run.py, does it), and 0.25.1's own config parsing for
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 from typing import Any
 
@@ -147,3 +148,39 @@ def test_mtp_seed_has_one_draft_layer_and_three_speculative_tokens(
     assert c.num_nextn_predict_layers == 1 and not hasattr(c, "index_topk")
     spec = SEED_MODELS["deepseek_v3_mtp"].engine_args["speculative_config"]
     assert spec == {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def test_a_folder_rewritten_while_engines_read_it_is_never_half_written(tmp_path) -> None:
+    """The check starts its kvtier, cold and control engines at once on one model folder, and
+    each rewrites it (H200 2026-12-02: a reader got a partial config.json). Readers racing
+    writers always parse a whole file."""
+    import json
+    import threading
+
+    folder = str(tmp_path / "m")
+    model = SEED_MODELS["deepseek_v3_mtp"]
+    model.write(folder, max_len=4096)
+    stop = threading.Event()
+    errors: list[Exception] = []
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            model.write(folder, max_len=4096)
+
+    writers = [threading.Thread(target=rewrite) for _ in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        for _ in range(300):
+            for name in ("config.json", "generation_config.json"):
+                try:
+                    with open(os.path.join(folder, name)) as f:
+                        json.load(f)
+                except Exception as e:  # any failure to parse is the defect
+                    errors.append(e)
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert errors == []
+    assert not [n for n in os.listdir(folder) if n.endswith(".tmp")]

@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Any
 
 
 def _write(path: str, config: dict[str, Any]) -> str:
+    """Writes the folder's two JSON files, each under a temporary name then renamed: engines
+    started at once on the same folder (a check's kvtier, cold and control processes) may
+    rewrite it while another reads it, and must never read half a file (H200 2026-12-02: an
+    engine failed with "config.json is not a valid JSON file")."""
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    _write_json(os.path.join(path, "config.json"), config)
+    _write_json(os.path.join(path, "generation_config.json"),
+                {"bos_token_id": 1, "eos_token_id": 2})
     return path
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def tiny_llama(path: str, layers: int = 2, hidden: int = 256, vocab: int = 1024,
