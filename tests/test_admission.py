@@ -61,36 +61,65 @@ def test_a_warm_request_is_never_deferred_for_room() -> None:
     adm, pool = _admission()
     pool.get_new_blocks(20)  # nothing free
     adm.step_planned(Out(64), loading=False)
-    assert adm.fits(4000, 2000) and not adm.defer(Req("w", 4000), 2000, False)
-    assert adm.defer(Req("w2", 4000), 2000, True)  # but it still waits for a producer
-    assert adm.defer(Req("c", 4000), 1984, False)  # under half: deferred for room
+    assert adm.fits(4000, 2000) and not adm.defer(Req("w", 4000), 2000)
+    assert adm.defer(Req("w2", 4000), 2000, 3000)  # but it still waits for a producer
+    assert adm.defer(Req("c", 4000), 1984)  # under half: deferred for room
 
 
 def test_deferred_while_busy_when_it_does_not_fit_or_waits_for_a_producer() -> None:
     adm, pool = _admission()
     pool.get_new_blocks(15)
     big = Req("a", 200)
-    assert not adm.defer(big, 0, False)  # nothing ran yet
+    assert not adm.defer(big, 0)  # nothing ran yet
     adm.step_planned(Out(64), loading=False)
-    assert adm.defer(big, 0, False)  # does not fit
-    assert not adm.defer(Req("s", 64), 0, False)  # fits, nobody produces its next chunk
-    assert adm.defer(Req("p", 64), 0, True)  # fits, but a running request produces it
-    assert not adm.defer(Req("h", 200), 160, False)  # its hit leaves 3 blocks to allocate
+    assert adm.defer(big, 0)  # does not fit
+    assert not adm.defer(Req("s", 64), 0)  # fits, nobody produces its next chunk
+    assert adm.defer(Req("p", 64), 0, 32)  # fits, but a running request produces it
+    assert not adm.defer(Req("h", 200), 160)  # its hit leaves 3 blocks to allocate
     adm.step_planned(Out(0), loading=True)  # loads in flight: still busy
-    assert adm.defer(big, 0, False)
+    assert adm.defer(big, 0)
     adm.step_planned(Out(0), loading=False)
-    assert not adm.busy and not adm.defer(Req("b", 200), 0, True)
+    assert not adm.busy and not adm.defer(Req("b", 200), 0, 160)
     adm.step_planned(Out(1), loading=False)
-    assert not adm.defer(big, 0, False)  # its third step: past defer_max_steps
+    assert not adm.defer(big, 0)  # its third step: past defer_max_steps
     c = adm.counters()
     assert c["admission_deferred"] == 3 and c["admission_expired"] == 1
     assert c["admission_waited_for_room"] == 2 and c["admission_waited_for_producer"] == 1
 
 
+def test_room_is_held_for_the_requests_that_wait_for_a_producer() -> None:
+    """A prompt of another prefix fits beside the first, but not beside the first's siblings:
+    each sibling waiting for the first's prefix holds the blocks it will need beyond it, so
+    the other prefix waits (the DeepSeek-V2-Lite run on the H200 went two prefixes at a time
+    without this). A hold ends when its request is admitted, finishes, or has not waited in
+    this step or the one before."""
+    adm, pool = _admission(pool_blocks=31)  # 30 usable blocks of 16 tokens
+    pool.get_new_blocks(12)  # the first prompt's 192 tokens, computing: 18 free
+    adm.step_planned(Out(64), loading=False)
+    other = Req("other", 192)  # 12 blocks
+    assert not adm.defer(other, 0)  # fits: nobody waits yet
+    assert adm.defer(Req("s1", 320), 0, 192) and adm.defer(Req("s2", 320), 0, 192)
+    assert adm.held_blocks() == 16 and adm.held_blocks("s1") == 8  # 8 beyond the prefix each
+    assert adm.defer(other, 0)  # 18 - 16 held < 12: it would take the siblings' room
+    assert not adm.defer(Req("small", 32), 0)  # 2 blocks: fits beside the held room
+    adm.step_planned(Out(64), loading=False)
+    assert not adm.defer(Req("s1", 320), 192)  # the prefix is in HBM: s1 is admitted
+    assert adm.held_blocks() == 8
+    adm.forget("s2")
+    assert adm.held_blocks() == 0 and not adm.defer(other, 0)
+    assert adm.defer(Req("s3", 320), 0, 192)
+    adm.step_planned(Out(64), loading=False)
+    assert adm.held_blocks() == 8  # waited in the step before
+    adm.step_planned(Out(64), loading=False)
+    assert adm.held_blocks() == 0  # not asked again for two steps: nothing held
+    c = adm.counters()
+    assert c["admission_waited_for_producer"] == 3 and c["admission_waited_for_room"] == 1
+
+
 def test_never_under_the_priority_policy() -> None:
     adm, _ = _admission(pool_blocks=5, priority=True)
     adm.step_planned(Out(8), loading=True)
-    assert not adm.defer(Req("a", 1000), 0, False) and not adm.defer(Req("b", 8), 0, True)
+    assert not adm.defer(Req("a", 1000), 0) and not adm.defer(Req("b", 8), 0, 8)
 
 
 def test_the_old_setting_name_still_turns_it_on() -> None:

@@ -81,3 +81,21 @@ def test_without_admission_nothing_is_tracked() -> None:
     sched.schedule_step(StepInput(new=[NewRequest("a", table(1, 10))],
                                   scheduled=[ScheduledTokens("a", prompt, C, len(prompt))]))
     assert sched.producers is None and not sched.waits_for_producer("b", prompt, C)
+
+
+def test_produced_until_is_the_end_of_the_chunks_other_requests_put_into_hbm() -> None:
+    """A sibling shares a's first three chunks and then differs: its hit will reach the end of
+    the third once a's prefill is done, wherever it stands now; a request with no producer for
+    its next chunk gets 0."""
+    sched = make()
+    prompt = tokens(5 * C + 3)
+    sibling = prompt[:3 * C] + tokens(2 * C, seed=9)
+    sched.add_request("a")
+    sched.add_request("s")
+    sched.schedule_step(StepInput(new=[NewRequest("a", table(1, 11))],
+                                  scheduled=[ScheduledTokens("a", prompt, C, len(prompt))]))
+    # a computed chunk 0 this step (in HBM: the sibling's hit covers it) and produces 1..4
+    assert sched.produced_until("s", sibling, C) == 3 * C
+    assert sched.produced_until("s", sibling, 2 * C + 5) == 3 * C
+    assert sched.produced_until("s", sibling, 3 * C) == 0  # its next chunk is its own
+    assert sched.produced_until("a", prompt, 0) == 0  # never itself

@@ -14,7 +14,8 @@ scanned first next step, and is asked again.
 Contract (:meth:`Deferrals.defer`): a request is deferred when
 - the chunk right after its HBM hit is being computed or loaded by a running request
   (:mod:`kvtier.production`; it gets that chunk from vLLM's prefix cache once it landed), or
-- HBM cannot hold it now (vLLM's scan would stop at it: the requests behind it go first);
+- HBM cannot hold it now beside what the requests waiting for a producer will need (vLLM's
+  scan would stop at it, or it would take their room: the requests behind it go first);
 
 and never under vLLM's priority policy, or while nothing is running or loading (then nothing
 would change by waiting). Bounds:
@@ -45,7 +46,8 @@ class Situation:
     """What the connector knows when vLLM asks about a waiting request."""
 
     waits_for_producer: bool  # a running request computes or loads its next chunk into HBM
-    fits: bool  # HBM can hold what it needs beyond its HBM hit now
+    fits: bool  # HBM can hold what it needs beyond its HBM hit now, beside the room held
+    # for requests that wait for a producer (kvtier.vllm.admission)
     busy: bool  # some request is running or loading
     priority: bool  # vLLM's priority scheduling policy
 

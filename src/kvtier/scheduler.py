@@ -768,15 +768,26 @@ class OffloadScheduler:
         ``req_id``'s prompt (``tokens``) that its HBM hit of ``hbm_tokens`` reaches into: that
         chunk lands in vLLM's prefix cache soon, and this request's hit grows then (cache-aware
         admission, :mod:`kvtier.deferral`). False when admission is off."""
+        return self.produced_until(req_id, tokens, hbm_tokens) > 0
+
+    def produced_until(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int:
+        """Where ``req_id``'s HBM hit will reach once the running requests that produce its
+        prompt's chunks, from the one its hit of ``hbm_tokens`` reaches into, have put them
+        into HBM: the end of the run of consecutive chunks that other requests produce, in
+        tokens; 0 when nobody produces the first of them (or admission is off). Admission
+        holds room for what the request needs beyond that point."""
         st = self.requests.get(req_id)
         if self.producers is None or st is None or not len(self.producers):
-            return False
+            return 0
         st.keys.update(tokens)
-        j = hbm_tokens // self.geometry.chunk_tokens
-        if j >= st.keys.num_chunks:
-            return False
-        producer = self.producers.producer(st.keys.keys[j])
-        return producer is not None and producer != req_id
+        c = self.geometry.chunk_tokens
+        j = end = hbm_tokens // c
+        while end < st.keys.num_chunks:
+            producer = self.producers.producer(st.keys.keys[end])
+            if producer is None or producer == req_id:
+                break
+            end += 1
+        return end * c if end > j else 0
 
     def build_step(self) -> StepPlan:
         fence: set[int] = set()

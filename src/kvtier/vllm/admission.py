@@ -6,8 +6,9 @@ Contract:
   hit alone;
 - *waits for a producer*: a running request computes or loads, into HBM, the chunk right
   after this request's HBM hit (:meth:`kvtier.scheduler.OffloadScheduler.waits_for_producer`);
-- *fits*: vLLM's block pool has at least as many free blocks (evictable cached ones included)
-  as the request needs beyond its HBM hit in every KV-cache group (vLLM admits a request only
+- *fits*: vLLM's block pool has at least as many free blocks (evictable cached ones included),
+  less the room held for the producers' waiters (below), as the request needs beyond its HBM
+  hit in every KV-cache group (vLLM admits a request only
   when its whole prompt fits, ``scheduler_reserve_full_isl``, on by default in 0.25.1 and
   0.32; a state group in ``align`` mode takes one block for a new request); the hit's own
   cached blocks that are evictable are not subtracted, so it errs towards *fits* (then vLLM
@@ -18,6 +19,15 @@ Contract:
   it would also cost the most: vLLM walks its whole HBM hit again every step it is scanned
   (H200, Llama-8B shape, 17k-token prompts: about 0.5 ms a deferral, 1.2 s of scheduler time
   in an 8.2 s run);
+- *room held for the producers' waiters*: a request that waits for a producer will need, once
+  its hit has grown to what the producers put into HBM
+  (:meth:`kvtier.scheduler.OffloadScheduler.produced_until`), the blocks beyond that point;
+  those blocks are held back from every other request's *fits* while it waits (deferred in
+  this step or the one before). Without it, a request of another prefix that fits now takes
+  the room the waiters need, and with HBM for two prompts (H200, DeepSeek-V2-Lite shape, 560
+  blocks of 64 tokens, 17k-token prompts) the run went two prompts of different prefixes at a
+  time, their siblings never fitting beside them (812 engine steps against 55 with HBM for
+  all);
 - *busy*: the last step scheduled tokens, or kvtier has loads in flight;
 - a request that skips the prefix cache is never deferred (0.32 forces its hit to 0).
 """
@@ -60,6 +70,8 @@ class Admission:
         self.busy = False
         self.waited_for_producer = 0  # deferrals because a running request produces the chunk
         self.waited_for_room = 0  # deferrals because HBM could not hold the request
+        # request -> (blocks it needs once its producers are done, step it last waited in)
+        self._held: dict[str, tuple[int, int]] = {}
 
     def bind_pool(self, pool: Any) -> None:
         self.pool = pool
@@ -69,11 +81,19 @@ class Admission:
         self.step += 1
         self.busy = bool(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) or loading
 
-    def fits(self, num_tokens: int, hbm_tokens: int) -> bool:
+    def fits(self, num_tokens: int, hbm_tokens: int, held: int = 0) -> bool:
+        """Whether the pool's free blocks, less ``held`` of them, hold what a request of
+        ``num_tokens`` needs beyond its HBM hit (a warm request always fits)."""
         if self.pool is None or 2 * hbm_tokens >= num_tokens:
             return True
-        return (int(self.pool.get_num_free_blocks())
+        return (int(self.pool.get_num_free_blocks()) - held
                 >= blocks_needed(self.groups, num_tokens, hbm_tokens))
+
+    def held_blocks(self, for_req: str | None = None) -> int:
+        """Blocks held for the requests waiting for a producer (in this step or the one
+        before), other than ``for_req``."""
+        return sum(n for r, (n, step) in self._held.items()
+                   if r != for_req and step >= self.step - 1)
 
     @property
     def may_defer(self) -> bool:
@@ -81,14 +101,23 @@ class Admission:
         asks who produces the request's next chunk (:class:`Situation` holds the rule)."""
         return not self.priority and self.busy
 
-    def defer(self, request: Any, hbm_tokens: int, waits_for_producer: bool) -> bool:
-        """Whether to answer this lookup with ``None`` (asked again next step)."""
-        situation = Situation(waits_for_producer=waits_for_producer,
-                              fits=self.fits(int(request.num_tokens), hbm_tokens),
+    def defer(self, request: Any, hbm_tokens: int, produced_until: int = 0) -> bool:
+        """Whether to answer this lookup with ``None`` (asked again next step).
+        ``produced_until``: where the request's hit will reach once running requests have
+        put the chunks after it into HBM (0: nobody produces its next chunk)."""
+        req_id, num_tokens = request.request_id, int(request.num_tokens)
+        waits = produced_until > hbm_tokens
+        situation = Situation(waits_for_producer=waits,
+                              fits=self.fits(num_tokens, hbm_tokens, self.held_blocks(req_id)),
                               busy=self.busy, priority=self.priority)
-        deferred = self.deferrals.defer(request.request_id, self.step, situation)
+        deferred = self.deferrals.defer(req_id, self.step, situation)
+        if deferred and waits:
+            self._held[req_id] = (blocks_needed(self.groups, num_tokens, produced_until),
+                                  self.step)
+        else:
+            self._held.pop(req_id, None)
         if deferred:
-            if waits_for_producer:
+            if waits:
                 self.waited_for_producer += 1
             else:
                 self.waited_for_room += 1
@@ -103,3 +132,4 @@ class Admission:
 
     def forget(self, req_id: str) -> None:
         self.deferrals.forget(req_id)
+        self._held.pop(req_id, None)

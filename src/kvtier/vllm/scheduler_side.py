@@ -122,9 +122,9 @@ class SchedulerSide:
                 or self.setup.disabled_reason or compat.skips_prefix_cache(request)):
             return False
         self._ensure_request(request)
-        waits = sched.waits_for_producer(request.request_id, _prompt_tokens(request),
-                                         local_hit)
-        return adm.defer(request, local_hit, waits)
+        produced = sched.produced_until(request.request_id, _prompt_tokens(request),
+                                        local_hit)
+        return adm.defer(request, local_hit, produced)
 
     def _attention_missing_at_local_hit(self, request: Any, local_hit: int) -> bool:
         """Whether vLLM's local hit runs past the attention groups' own (a state group's hit
