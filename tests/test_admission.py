@@ -73,7 +73,7 @@ def test_deferred_while_busy_when_it_does_not_fit_or_waits_for_a_producer() -> N
     assert not adm.defer(big, 0)  # nothing ran yet
     adm.step_planned(Out(64), loading=False)
     assert adm.defer(big, 0)  # does not fit
-    assert not adm.defer(Req("s", 64), 0)  # fits, nobody produces its next chunk
+    assert not adm.defer(Req("s", 32), 0)  # fits with room to spare, nobody produces it
     assert adm.defer(Req("p", 64), 0, 32)  # fits, but a running request produces it
     assert not adm.defer(Req("h", 200), 160)  # its hit leaves 3 blocks to allocate
     adm.step_planned(Out(0), loading=True)  # loads in flight: still busy
@@ -97,11 +97,13 @@ def test_room_is_held_for_the_requests_that_wait_for_a_producer() -> None:
     pool.get_new_blocks(12)  # the first prompt's 192 tokens, computing: 18 free
     adm.step_planned(Out(64), loading=False)
     other = Req("other", 192)  # 12 blocks
-    assert not adm.defer(other, 0)  # fits: nobody waits yet
+    # it fits, but would leave 6 free, less than it takes: the first time it is asked it
+    # waits a step, so that the scan reaches the requests behind it
+    assert adm.defer(other, 0)
     assert adm.defer(Req("s1", 320), 0, 192) and adm.defer(Req("s2", 320), 0, 192)
     assert adm.held_blocks() == 16 and adm.held_blocks("s1") == 8  # 8 beyond the prefix each
-    assert adm.defer(other, 0)  # 18 - 16 held < 12: it would take the siblings' room
-    assert not adm.defer(Req("small", 32), 0)  # 2 blocks: fits beside the held room
+    assert adm.defer(other, 0)  # asked again: 18 - 16 held < 12: it would take the siblings' room
+    assert not adm.defer(Req("small", 16), 0)  # 1 block: fits beside the held room
     adm.step_planned(Out(64), loading=False)
     assert not adm.defer(Req("s1", 320), 192)  # the prefix is in HBM: s1 is admitted
     assert adm.held_blocks() == 8
@@ -114,6 +116,31 @@ def test_room_is_held_for_the_requests_that_wait_for_a_producer() -> None:
     assert adm.held_blocks() == 0  # not asked again for two steps: nothing held
     c = adm.counters()
     assert c["admission_waited_for_producer"] == 3 and c["admission_waited_for_room"] == 1
+    assert c["admission_looked_ahead"] == 1
+
+
+def test_a_look_ahead_at_tight_room_is_short() -> None:
+    """With nobody waiting for a producer behind it, a request that leaves little room waits a
+    step on its first ask, and while chunks are produced into HBM and a step after; one with
+    room to spare, or warm, never waits."""
+    adm, pool = _admission(pool_blocks=31)
+    pool.get_new_blocks(12)  # 18 free
+    adm.step_planned(Out(64), loading=False)
+    assert adm.defer(Req("t", 192), 0)  # 12 of 18: a first look
+    adm.step_planned(Out(64), loading=False)
+    assert not adm.defer(Req("t", 192), 0)
+    assert not adm.defer(Req("roomy", 128), 0)  # 8 of 18 leaves 10
+    assert not adm.defer(Req("warm", 400), 200)  # half its prompt in HBM
+    # while running requests produce prompt chunks into HBM, and a step after, a tight
+    # request waits: the scan reaches the producers' waiters only when a prefill ends
+    adm.step_planned(Out(64), loading=False, producing=True)
+    assert adm.defer(Req("t2", 192), 0) and adm.defer(Req("t2", 192), 0)
+    assert not adm.defer(Req("roomy", 128), 0)
+    adm.step_planned(Out(64), loading=False)
+    assert adm.defer(Req("t2", 192), 0)
+    adm.step_planned(Out(64), loading=False)
+    assert not adm.defer(Req("t2", 192), 0)
+    assert adm.counters()["admission_looked_ahead"] == 4
 
 
 def test_never_under_the_priority_policy() -> None:

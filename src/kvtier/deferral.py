@@ -15,7 +15,9 @@ Contract (:meth:`Deferrals.defer`): a request is deferred when
 - the chunk right after its HBM hit is being computed or loaded by a running request
   (:mod:`kvtier.production`; it gets that chunk from vLLM's prefix cache once it landed), or
 - HBM cannot hold it now beside what the requests waiting for a producer will need (vLLM's
-  scan would stop at it, or it would take their room: the requests behind it go first);
+  scan would stop at it, or it would take their room: the requests behind it go first), or
+- it would leave less room than it takes while the scan may not yet have seen what waits
+  behind it (its first ask, or while running requests produce chunks into HBM);
 
 and never under vLLM's priority policy, or while nothing is running or loading (then nothing
 would change by waiting). Bounds:
@@ -50,12 +52,18 @@ class Situation:
     # for requests that wait for a producer (kvtier.vllm.admission)
     busy: bool  # some request is running or loading
     priority: bool  # vLLM's priority scheduling policy
+    # it fits but would leave less room than it takes, and the scan may not yet have seen
+    # what waits behind it (its first ask, or chunks are being produced into HBM): waiting
+    # lets the scan reach the requests that wait for a producer and learn the room they
+    # need (kvtier.vllm.admission)
+    look_ahead: bool = False
 
     @property
     def wants_deferral(self) -> bool:
         """Whether waiting helps, before the bounds."""
         return (not self.priority and self.busy
-                and (self.waits_for_producer or not self.fits))
+                and (self.waits_for_producer or not self.fits
+                     or self.look_ahead))
 
 
 @dataclass

@@ -770,6 +770,11 @@ class OffloadScheduler:
         admission, :mod:`kvtier.deferral`). False when admission is off."""
         return self.produced_until(req_id, tokens, hbm_tokens) > 0
 
+    def producing(self) -> bool:
+        """Whether some running request is computing or loading prompt chunks into HBM now
+        (False when admission is off)."""
+        return self.producers is not None and len(self.producers) > 0
+
     def produced_until(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int:
         """Where ``req_id``'s HBM hit will reach once the running requests that produce its
         prompt's chunks, from the one its hit of ``hbm_tokens`` reaches into, have put them

@@ -23,11 +23,19 @@ Contract:
   its hit has grown to what the producers put into HBM
   (:meth:`kvtier.scheduler.OffloadScheduler.produced_until`), the blocks beyond that point;
   those blocks are held back from every other request's *fits* while it waits (deferred in
-  this step or the one before). Without it, a request of another prefix that fits now takes
-  the room the waiters need, and with HBM for two prompts (H200, DeepSeek-V2-Lite shape, 560
-  blocks of 64 tokens, 17k-token prompts) the run went two prompts of different prefixes at a
-  time, their siblings never fitting beside them (812 engine steps against 55 with HBM for
-  all);
+  this step or the one before), so that a request of another prefix does not take the room
+  the waiters need;
+- *look ahead at tight room*: a cold request that fits but would leave fewer free blocks than
+  it takes waits the first time it is asked, and while running requests compute or load
+  prompt chunks into HBM (and the step after): vLLM scans its waiting queue in order and
+  stops the scan once a step's token budget is spent (a long prefill spends it every step),
+  so the siblings behind the request, which wait for those chunks and hold room for what
+  they need beyond them, are asked only in the step the producer's prefill ends, after the
+  request. Without it the next prefix's request was admitted in that step, before any
+  sibling had been asked, and with HBM for two prompts (H200, DeepSeek-V2-Lite shape, 560
+  blocks of 64 tokens, 17k-token prompts) the run went two prompts of different prefixes at
+  a time, their siblings never fitting beside them (812 engine steps against 55 with HBM
+  for all; its CPU model 364 steps, 144 with the look-ahead);
 - *busy*: the last step scheduled tokens, or kvtier has loads in flight;
 - a request that skips the prefix cache is never deferred (0.32 forces its hit to 0).
 """
@@ -70,24 +78,36 @@ class Admission:
         self.busy = False
         self.waited_for_producer = 0  # deferrals because a running request produces the chunk
         self.waited_for_room = 0  # deferrals because HBM could not hold the request
+        self.looked_ahead = 0  # look-ahead deferrals of a request that leaves little room
+        self._producing_step = -2  # the last step after which a request produced chunks
         # request -> (blocks it needs once its producers are done, step it last waited in)
         self._held: dict[str, tuple[int, int]] = {}
 
     def bind_pool(self, pool: Any) -> None:
         self.pool = pool
 
-    def step_planned(self, scheduler_output: Any, loading: bool) -> None:
-        """After each of vLLM's scheduling passes (``build_connector_meta``)."""
+    def step_planned(self, scheduler_output: Any, loading: bool,
+                     producing: bool = False) -> None:
+        """After each of vLLM's scheduling passes (``build_connector_meta``); ``producing``:
+        some running request computes or loads prompt chunks into HBM."""
         self.step += 1
         self.busy = bool(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) or loading
+        if producing:
+            self._producing_step = self.step
 
     def fits(self, num_tokens: int, hbm_tokens: int, held: int = 0) -> bool:
         """Whether the pool's free blocks, less ``held`` of them, hold what a request of
         ``num_tokens`` needs beyond its HBM hit (a warm request always fits)."""
+        room = self._room(num_tokens, hbm_tokens, held)
+        return room is None or room[0] >= room[1]
+
+    def _room(self, num_tokens: int, hbm_tokens: int, held: int) -> tuple[int, int] | None:
+        """(free blocks less ``held``, blocks needed beyond the hit), or None for a warm
+        request or before the pool is bound."""
         if self.pool is None or 2 * hbm_tokens >= num_tokens:
-            return True
-        return (int(self.pool.get_num_free_blocks()) - held
-                >= blocks_needed(self.groups, num_tokens, hbm_tokens))
+            return None
+        return (int(self.pool.get_num_free_blocks()) - held,
+                blocks_needed(self.groups, num_tokens, hbm_tokens))
 
     def held_blocks(self, for_req: str | None = None) -> int:
         """Blocks held for the requests waiting for a producer (in this step or the one
@@ -107,9 +127,13 @@ class Admission:
         put the chunks after it into HBM (0: nobody produces its next chunk)."""
         req_id, num_tokens = request.request_id, int(request.num_tokens)
         waits = produced_until > hbm_tokens
-        situation = Situation(waits_for_producer=waits,
-                              fits=self.fits(num_tokens, hbm_tokens, self.held_blocks(req_id)),
-                              busy=self.busy, priority=self.priority)
+        room = self._room(num_tokens, hbm_tokens, self.held_blocks(req_id))
+        fits = room is None or room[0] >= room[1]
+        tight = fits and room is not None and not waits and room[0] - room[1] < room[1]
+        look_ahead = tight and (self.deferrals.deferred_steps(req_id) == 0
+                                or self._producing_step >= self.step - 1)
+        situation = Situation(waits_for_producer=waits, fits=fits, busy=self.busy,
+                              priority=self.priority, look_ahead=look_ahead)
         deferred = self.deferrals.defer(req_id, self.step, situation)
         if deferred and waits:
             self._held[req_id] = (blocks_needed(self.groups, num_tokens, produced_until),
@@ -119,8 +143,10 @@ class Admission:
         if deferred:
             if waits:
                 self.waited_for_producer += 1
-            else:
+            elif not fits:
                 self.waited_for_room += 1
+            else:
+                self.looked_ahead += 1
         return deferred
 
     def counters(self) -> dict[str, int]:
@@ -128,7 +154,8 @@ class Admission:
         return {"admission_deferred": d.deferred, "admission_expired": d.expired,
                 "admission_declined_full": d.declined_full,
                 "admission_waited_for_producer": self.waited_for_producer,
-                "admission_waited_for_room": self.waited_for_room}
+                "admission_waited_for_room": self.waited_for_room,
+                "admission_looked_ahead": self.looked_ahead}
 
     def forget(self, req_id: str) -> None:
         self.deferrals.forget(req_id)

@@ -234,7 +234,8 @@ class SchedulerSide:
         # promotion): the workers may block a little for what is in flight (IDLE_WAIT_S)
         plan.idle = not scheduler_output.num_scheduled_tokens
         if self.admission is not None:
-            self.admission.step_planned(scheduler_output, sched.loads_in_flight())
+            self.admission.step_planned(scheduler_output, sched.loads_in_flight(),
+                                        sched.producing())
         return KvtierMetadata(plan, geometry_known=True)
 
     def _scheduled_tokens(self, scheduler_output: Any) -> list[ScheduledTokens]:
