@@ -143,7 +143,8 @@ def test_reverse_hybrid_hit_on_vllm025_stays_caught() -> None:
     attention entries for another prompt, kvtier.vllm.hybrid_hits, made it common) gave a
     local hit past the attention blocks, and the forward read blocks nobody computed. With
     the fix reverted the oracle finds it again."""
-    proc = start_025(120, 0, "--groups", "multi", "--revert", "reverse_hybrid_hit")
+    proc = start_025(120, 0, "--groups", "multi", "--revert", "reverse_hybrid_hit",
+                     "--stop-when", "wrong_kv_read")  # the first catch is the finding
     if proc is None:
         pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
     summary = finish_025(proc, timeout=600)
