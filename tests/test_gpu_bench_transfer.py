@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,17 +126,51 @@ def test_gemm_slowdown_compares_the_window_with_the_gemms_alone() -> None:
     assert gemm_slowdown([1.0], [], 2.0, 0.5)["slowdown"] == pytest.approx(1.0)
 
 
-def test_smoke_run_writes_the_table_json_and_png(tmp_path: Path) -> None:
+SMOKE_RUNS = {
+    "t": ["--families", "mha,hybrid,kimi_linear,minimax_m3", "--chunks", "256KiB,2MiB"],
+    # --verify: saves checksum what they write and loads verify it
+    "v": ["--verify", "--families", "mha,kimi_linear", "--chunks", "256KiB"],
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
+    """The module's two ``--smoke`` runs, started at once: each is mostly one busy Python
+    thread (the Triton interpreter), so on two cores together they take about as long as the
+    longer one. Each test waits for its own (its output folder, its exit status)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
-                           "--families", "mha,hybrid,kimi_linear,minimax_m3", "--chunks",
-                           "256KiB,2MiB",
-                           "--out",
-                           str(tmp_path), "--tag", "t"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (js,) = tmp_path.glob("transfer-*-cpu-smoke-t.json")
+    started: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    try:
+        for tag, extra in SMOKE_RUNS.items():
+            out = tmp_path_factory.mktemp(f"smoke-{tag}")
+            with open(out / "stdout", "wb") as so, open(out / "stderr", "wb") as se:
+                started[tag] = (subprocess.Popen(
+                    [sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke", *extra,
+                     "--out", str(out), "--tag", tag], env=env, stdout=so, stderr=se), out)
+        yield started
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def _smoke(runs: dict[str, tuple[subprocess.Popen[bytes], Path]], tag: str) -> Path:
+    """The folder of the smoke run ``tag`` once it ended, which it must have done cleanly."""
+    proc, out = runs[tag]
+    rc = proc.wait(timeout=600)
+    tails = ((out / "stdout").read_text(errors="replace")[-2000:]
+             + (out / "stderr").read_text(errors="replace")[-2000:])
+    assert rc == 0, tails
+    return out
+
+
+def test_smoke_run_writes_the_table_json_and_png(
+        smoke_runs: dict[str, tuple[subprocess.Popen[bytes], Path]]) -> None:
+    out = _smoke(smoke_runs, "t")
+    (js,) = out.glob("transfer-*-cpu-smoke-t.json")
     result = json.loads(js.read_text())
     # a registered layout runs once, at its own chunk, whatever --chunks lists
     assert [c["family"] for c in result["cells"]] == ["mha", "mha", "hybrid", "hybrid",
@@ -166,17 +201,12 @@ def test_the_kimi_linear_layout_is_what_vllm_registered_on_the_h200() -> None:
     assert geo.num_blocks >= 2 * ((1 << 30) // boundary)  # distinct blocks per direction
 
 
-def test_smoke_run_with_verified_restores(tmp_path: Path) -> None:
+def test_smoke_run_with_verified_restores(
+        smoke_runs: dict[str, tuple[subprocess.Popen[bytes], Path]]) -> None:
     """``--verify``: saves checksum what they write and loads verify it (the engine fails a
     job on a mismatch, which the run reports as an error): a clean run has no errors."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke",
-                           "--verify", "--families", "mha,kimi_linear", "--chunks", "256KiB",
-                           "--out", str(tmp_path), "--tag", "v"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (js,) = tmp_path.glob("transfer-*-cpu-smoke-v.json")
+    out = _smoke(smoke_runs, "v")
+    (js,) = out.glob("transfer-*-cpu-smoke-v.json")
     result = json.loads(js.read_text())
     assert result["meta"]["verify_checksums"] is True
     assert [c["family"] for c in result["cells"]] == ["mha", "kimi_linear"]

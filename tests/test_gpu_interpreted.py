@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,16 +20,38 @@ FILES = {"test_gpu_kernels.py": 40, "test_gpu_checksum_kernels.py": 20,
          "test_gpu_verify.py": 21}
 
 
-@pytest.mark.parametrize("name", sorted(FILES))
-def test_interpreted_kernel_suite(tmp_path: Path, name: str) -> None:
-    file = HERE / name
-    report = tmp_path / "junit.xml"
+@pytest.fixture(scope="module")
+def suites(tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
+    """The three interpreted processes, all started at once: each is one busy Python thread
+    (the Triton interpreter), so on two cores they take about half as long together as one
+    after another. Each test then waits for its own."""
+    tmp = tmp_path_factory.mktemp("interpreted")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(file), "-q", "-p", "no:cacheprovider", "-rfEs",
-         f"--junitxml={report}"],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=800)
-    out = proc.stdout[-6000:] + proc.stderr[-2000:]
+    started: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    try:
+        for name in sorted(FILES):
+            report = tmp / f"{name}.xml"
+            with open(tmp / f"{name}.out", "wb") as out, open(tmp / f"{name}.err", "wb") as err:
+                started[name] = (subprocess.Popen(
+                    [sys.executable, "-m", "pytest", str(HERE / name), "-q", "-p",
+                     "no:cacheprovider", "-rfEs", f"--junitxml={report}"],
+                    cwd=HERE.parent, env=env, stdout=out, stderr=err), report)
+        yield started
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_interpreted_kernel_suite(
+        suites: dict[str, tuple[subprocess.Popen[bytes], Path]], name: str) -> None:
+    proc, report = suites[name]
+    proc.wait(timeout=800)
+    out = (report.with_suffix(".out").read_text(errors="replace")[-6000:]
+           + report.with_suffix(".err").read_text(errors="replace")[-2000:])
     assert proc.returncode == 0, f"{name} failed in its interpreted process:\n{out}"
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")

@@ -51,6 +51,18 @@ def run_025() -> Iterator[subprocess.Popen[str] | None]:
         proc.kill()
 
 
+@pytest.fixture(scope="module")
+def reverse_025() -> Iterator[subprocess.Popen[str] | None]:
+    """The 0.25.1 run of :func:`test_reverse_hybrid_hit_on_vllm025_stays_caught`, with the fix
+    reverted. The module's first test starts it, so that it runs beside the in-process tests
+    (the other 0.25.1 run ends well before they do) rather than after all of them."""
+    proc = start_025(120, 0, "--groups", "multi", "--revert", "reverse_hybrid_hit",
+                     "--stop-when", "wrong_kv_read")  # the first catch is the finding
+    yield proc
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+
+
 def _check(summary: dict[str, Any], n: int) -> None:
     lines = [f"{v['kind']}: {v['scenario']}\n    {v['detail'][:1500]}"
              for v in summary["violations"][:10]]
@@ -84,7 +96,9 @@ def _check_activity(summary: dict[str, Any], n: int) -> None:
     assert not low, f"vLLM {summary['version']}: too little happened in {n} scenarios: {low}"
 
 
-def test_multigroup_run_vllm032(run_025: subprocess.Popen[str] | None) -> None:
+def test_multigroup_run_vllm032(run_025: subprocess.Popen[str] | None,
+                                reverse_025: subprocess.Popen[str] | None) -> None:
+    # both 0.25.1 runs (the fixtures) start before this in-process one, and run beside it
     summary = run_batch(scenarios(N_032, 0, group_sets=MULTI_GROUP_SETS)).to_json()
     report("multigroup_vllm032", summary)
     _check(summary, N_032)
@@ -137,16 +151,14 @@ def test_multigroup_bugs_found_by_the_harness_stay_caught(revert: str,
 
 
 @pytest.mark.vllm025
-def test_reverse_hybrid_hit_on_vllm025_stays_caught() -> None:
+def test_reverse_hybrid_hit_on_vllm025_stays_caught(
+        reverse_025: subprocess.Popen[str] | None) -> None:
     """A kvtier bug these scenarios found on vLLM 0.25.1 (full+mamba, AsyncScheduler): a
     state cached after more tokens than the attention groups' blocks (kvtier's own drops of
     attention entries for another prompt, kvtier.vllm.hybrid_hits, made it common) gave a
     local hit past the attention blocks, and the forward read blocks nobody computed. With
     the fix reverted the oracle finds it again."""
-    proc = start_025(120, 0, "--groups", "multi", "--revert", "reverse_hybrid_hit")
-    if proc is None:
-        pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    summary = finish_025(proc, timeout=600)
+    summary = finish_025(reverse_025, timeout=600)
     kinds = {v["kind"] for v in summary["violations"]}
     assert "wrong_kv_read" in kinds, f"the reverted fix went unnoticed: {kinds}"
 

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,29 @@ from harness.workload import Scenario
 COMBOS = [(False, 1), (True, 1), (False, 2), (True, 2)]
 ROOT = Path(__file__).resolve().parent.parent
 VLLM025 = ROOT / ".cache" / "vllm-0.25.1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def priority_025() -> Iterator[subprocess.Popen[str] | None]:
+    """The 0.25.1 run of
+    :func:`test_priority_scheduler_on_vllm025_never_leaves_a_parked_load_behind_a_blocked_request`
+    (a process of its own), started with the module so that it runs beside the in-process
+    tests rather than after them; None where 0.25.1 is not unpacked."""
+    if not (VLLM025 / "vllm" / "__init__.py").exists():
+        yield None
+        return
+    # this checkout's kvtier first, not the one the venv's editable install points at
+    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src", ROOT / "tests")))
+    env = dict(os.environ, PYTHONPATH=path,
+               VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.run", "--case", "priority_parked", "--revert",
+         "priority_loads"], cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=10)
 
 
 def _run(make: Callable[[int, bool, int], Scenario], seeds: range,
@@ -110,7 +133,7 @@ def test_lost_completion_notice_is_recovered_by_query() -> None:
 
 @pytest.mark.vllm025
 def test_priority_scheduler_on_vllm025_never_leaves_a_parked_load_behind_a_blocked_request(
-) -> None:
+        priority_025: subprocess.Popen[str] | None) -> None:
     """Bug (found on vLLM 0.25.1 only): its priority scheduler compares the heads of the
     waiting queue and of the skipped queue (where requests parked for a load wait) by
     priority, and stops at the first request it cannot allocate. A low-priority request parked
@@ -119,18 +142,11 @@ def test_priority_scheduler_on_vllm025_never_leaves_a_parked_load_behind_a_block
     promoted: the engine stops serving. vLLM 0.32 drains block-holding requests first.
     Fix: kvtier turns loads off (saves stay on, with a warning) under the priority policy on a
     vLLM whose scheduler does not drain block-holding requests first."""
-    if not (VLLM025 / "vllm" / "__init__.py").exists():
+    if priority_025 is None:
         pytest.skip("vLLM 0.25.1 is not unpacked (bash scripts/fetch_vllm025.sh)")
-    # this checkout's kvtier first, not the one the venv's editable install points at
-    path = os.pathsep.join(map(str, (VLLM025, ROOT / "src", ROOT / "tests")))
-    env = dict(os.environ, PYTHONPATH=path,
-               VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.run", "--case", "priority_parked", "--revert",
-         "priority_loads"], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
-        timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, proc.stderr[-4000:]
+    stdout, stderr = priority_025.communicate(timeout=600)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert lines, stderr[-4000:]
     out = json.loads(lines[-1])
     assert out["version"].startswith("0.25")
     assert set(out["fixed"]) == {"ok"}, out

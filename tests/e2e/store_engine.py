@@ -1,9 +1,11 @@
 """One vLLM CPU engine attached to a node-wide store, in a process of its own, driven by JSON
 lines on stdin (for tests that run several engines at once on one store).
 
-    python -m tests.e2e.store_engine MODEL_DIR STORE_URL
+    python -m tests.e2e.store_engine MODEL_DIR STORE_URL [--after-go]
 
-Prints ``READY`` once the engine serves, then answers each request line with one JSON line:
+``--after-go``: import vLLM, then wait for a ``GO`` line on stdin before building the engine
+(a restart whose imports ran while the engine it replaces was still up; the engine itself,
+and its attach to the store, come only after ``GO``). Prints ``READY`` once the engine serves, then answers each request line with one JSON line:
 
 - ``{"prompt": [ids...]}``: generate 8 greedy tokens (top-5 logprobs), wait until kvtier has
   nothing in flight; answer ``tokens``, ``logprobs`` (``[[[id, logprob], ...] per token]``,
@@ -14,6 +16,7 @@ Prints ``READY`` once the engine serves, then answers each request line with one
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -34,11 +37,18 @@ def answer(h: Any, prompt: list[int]) -> dict[str, Any]:
             "store_up": isinstance(index, StoreIndex) and index.up}
 
 
-def main(model: str, url: str) -> None:
+def main(model: str, url: str, after_go: bool = False) -> None:
     # answers go to the original stdout; everything else printed there (vLLM logs to
     # stdout too) goes to stderr, so the reader sees only READY and answer lines
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
+    if after_go:
+        # the slow part of a start, before GO: importing vLLM, its engine core and worker
+        for module in ("vllm.entrypoints.llm", "vllm.v1.engine.core",
+                       "vllm.v1.worker.cpu_worker"):
+            importlib.import_module(module)
+        if sys.stdin.readline().strip() != "GO":
+            return
     h = handles(make_llm(model, {"store_url": url}))
     sharpen_dummy_weights(h)
     print("READY", file=answers)
@@ -51,4 +61,4 @@ def main(model: str, url: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], after_go="--after-go" in sys.argv[3:])

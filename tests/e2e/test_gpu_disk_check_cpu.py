@@ -29,7 +29,7 @@ def test_the_slowed_disk_dry_run_records_and_declines_every_promotion(tmp_path: 
                                           os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gpu_disk_check.py"), "--mode", "slow", "--tiny",
-         "--enforce-eager", "--prefix-len", "2048", "--targets", "2", "--slow-gbps", "0.002",
+         "--enforce-eager", "--prefix-len", "2048", "--targets", "2", "--slow-gbps", "0.004",
          "--disk-dir", str(tmp_path / "disk"), "--model-dir", str(tmp_path / "model"),
          "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)

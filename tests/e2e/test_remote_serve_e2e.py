@@ -1,7 +1,7 @@
 """Two ``kvtier serve`` servers (vLLM CPU build) on one host sharing one real Redis: a prefix
 the first computed is restored by the second, its tokens equal to the first's own HBM hit, and
-the second's ``/metrics`` says the restored tokens came from the remote tier; the same after
-restarting both servers (nothing left in any HBM, DRAM or catalog)."""
+the second's ``/metrics`` says the restored tokens came from the remote tier; the same from a
+server started after both stopped (nothing left in any HBM, DRAM or catalog)."""
 
 from __future__ import annotations
 
@@ -117,11 +117,12 @@ def test_two_servers_one_store(tiny_llama_dir: str, tmp_path: Path) -> None:
             assert metric(b, "vllm:kvtier_remote_hit_tokens_total") == 3 * C
             assert metric(b, "vllm:kvtier_restored_tokens_total") == 3 * C
             assert metric(b, "vllm:kvtier_remote_chunks_total", event="discovered") == 3
-        with servers(tiny_llama_dir, port, prefix,
-                     [tmp_path / "a2.log", tmp_path / "b2.log"]) as (a, b):
-            for url in (a, b):  # both restarted: each restores from the store alone
-                assert asyncio.run(complete(url, p)) == hbm_hit
-                assert metric(url, "vllm:kvtier_remote_hit_tokens_total") == 3 * C
+        # both stopped: a server started now restores from the store alone. One is enough: a
+        # second fresh server would repeat its request and checks word for word, and that a
+        # restore leaves the entries to the next reader shows here already (b read them first)
+        with servers(tiny_llama_dir, port, prefix, [tmp_path / "c.log"]) as (c,):
+            assert asyncio.run(complete(c, p)) == hbm_hit
+            assert metric(c, "vllm:kvtier_remote_hit_tokens_total") == 3 * C
     finally:
         raw = redis.Redis(port=port, socket_timeout=2)
         for k in raw.scan_iter(f"{prefix}:*"):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,35 +57,78 @@ def _chunk_line(chunk: int, block: int) -> str:
     return startup.one_line(str(info.value))
 
 
-@pytest.mark.parametrize("policy, chunk", [("recompute", 100), ("fail", 96)])
-def test_offline_start_up_refusal_is_the_last_line(tiny_llama_dir: str, tmp_path: Path,
-                                                   policy: str, chunk: int) -> None:
+class Run:
+    """One program expected to refuse to start, its output going to a file."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(),
+                                         start_new_session=True)
+
+    def result(self, timeout: float = 540) -> tuple[int, str]:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running after {timeout} s: {self.log.read_text()[-3000:]}")
+        return rc, self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+OFFLINE_CASES = [("recompute", 100), ("fail", 96)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[dict[object, Run]]:
+    """The module's three refusing programs, all started at once: each start-up is most of a
+    minute on two cores, with mostly one of its processes busy at a time (the program, then
+    its EngineCore, then the worker), so together they take about as long as the slowest."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    script = tmp / "offline.py"
+    script.write_text(textwrap.dedent(OFFLINE))
+    # no --block-size: vLLM's CPU platform picks it, so only the connector can refuse
+    serve = [sys.executable, "-m", "kvtier.cli", "serve", tiny_llama_dir, "--chunk-tokens",
+             "100", "--dram-size", "64MiB", "--host", "127.0.0.1", "--port", str(free_port()),
+             "--load-format", "dummy", "--dtype", "float32", "--skip-tokenizer-init",
+             "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "2"]
+    started: dict[object, Run] = {}
+    try:
+        started["serve"] = Run(serve, tmp / "serve.log")
+        for policy, chunk in OFFLINE_CASES:
+            started[(policy, chunk)] = Run(
+                [sys.executable, str(script), tiny_llama_dir, policy, str(chunk)],
+                tmp / f"offline-{policy}-{chunk}.log")
+        yield started
+    finally:
+        for run in started.values():
+            run.kill()
+
+
+@pytest.mark.parametrize("policy, chunk", OFFLINE_CASES)
+def test_offline_start_up_refusal_is_the_last_line(runs: dict[object, Run], policy: str,
+                                                   chunk: int) -> None:
     if policy == "fail":
         what, todo = startup.failure_policy_refusal("fail", False) or ("", "")
         line = startup.one_line(f"{what}; {todo}")
     else:
         line = _chunk_line(chunk, 32)
-    script = tmp_path / "offline.py"
-    script.write_text(textwrap.dedent(OFFLINE))
-    r = subprocess.run([sys.executable, str(script), tiny_llama_dir, policy, str(chunk)],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       env=_env(), timeout=540)
-    out = _lines(r.stdout)
-    assert r.returncode != 0 and "the engine started" not in r.stdout
+    rc, stdout = runs[(policy, chunk)].result()
+    out = _lines(stdout)
+    assert rc != 0 and "the engine started" not in stdout
     assert out[-1] == line, "\n".join(out[-30:])
     assert any("ERROR" in ln and ln.endswith(line) for ln in out[:-1])  # logged where it failed
 
 
-def test_kvtier_serve_start_up_refusal_is_the_last_line(tiny_llama_dir: str) -> None:
-    # no --block-size: vLLM's CPU platform picks it, so only the connector can refuse
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", tiny_llama_dir, "--chunk-tokens", "100",
-           "--dram-size", "64MiB", "--host", "127.0.0.1", "--port", str(free_port()),
-           "--load-format", "dummy", "--dtype", "float32", "--skip-tokenizer-init",
-           "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "2"]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       env=_env(), timeout=540)
-    out = _lines(r.stdout)
-    assert r.returncode != 0, "\n".join(out[-30:])
+def test_kvtier_serve_start_up_refusal_is_the_last_line(runs: dict[object, Run]) -> None:
+    rc, stdout = runs["serve"].result()
+    out = _lines(stdout)
+    assert rc != 0, "\n".join(out[-30:])
     m = re.fullmatch(r"kvtier: setting 'chunk_tokens' \(100\) is not a multiple of every "
                      r"KV-cache block size \[(\d+)\] .*", out[-1])
     assert m is not None, "\n".join(out[-30:])

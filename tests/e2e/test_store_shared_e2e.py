@@ -45,14 +45,23 @@ def store(tmp_path: Path) -> Iterator[StoreProcess]:
 class Engine:
     """``python -m tests.e2e.store_engine``: one engine process, one request at a time."""
 
-    def __init__(self, model: str, url: str, cpu: str, log: Path) -> None:
+    def __init__(self, model: str, url: str, cpu: str, log: Path, after_go: bool = False
+                 ) -> None:
+        """``after_go``: the process imports vLLM, then waits for :meth:`go` to build the
+        engine (and attach it to the store)."""
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu,
                "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT])}
         self.log = log
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.e2e.store_engine", model, url], cwd=ROOT,
+                [sys.executable, "-m", "tests.e2e.store_engine", model, url,
+                 *(["--after-go"] if after_go else [])], cwd=ROOT,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True, env=env)
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("GO\n")
+        self.proc.stdin.flush()
 
     def line(self, timeout: float) -> str:
         assert self.proc.stdout is not None
@@ -113,11 +122,13 @@ def test_two_engines_at_once_share_hits_and_a_restarted_engine_finds_them(
         by_b = b.ask(q)
         assert by_a["cached"] == 0 and by_a["saves_committed"] >= 4
         assert by_b["cached"] == 0 and by_b["saves_committed"] >= 4
+        # a's successor imports vLLM meanwhile; its engine is built once a stopped
+        a2 = Engine(tiny_llama_dir, store.url, "0", tmp_path / "a2.log", after_go=True)
+        engines.append(a2)
         _restored_from_store(b, p, by_a)  # each restores the other's prefix meanwhile
         _restored_from_store(a, q, by_b)
         a.stop()  # a restart while b stays attached: the store keeps both prefixes
-        a2 = Engine(tiny_llama_dir, store.url, "0", tmp_path / "a2.log")
-        engines.append(a2)
+        a2.go()
         a2.wait_ready()
         _restored_from_store(a2, p, by_a)
         _restored_from_store(a2, q, by_b)

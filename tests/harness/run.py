@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                     + "), or 'multi' for " + ",".join(MULTI_GROUP_SETS))
     ap.add_argument("--admission", action="store_true",
                     help="every scenario with kvtier's cache_aware_admission on")
+    ap.add_argument("--stop-when", metavar="KIND[,KIND]",
+                    help="stop the batch at the first finding of one of these kinds")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     group_sets = MULTI_GROUP_SETS if args.groups == "multi" else tuple(args.groups.split(","))
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         items = scenarios(args.scenarios, args.seed, group_sets=group_sets)
         if args.admission:
             items = (dataclasses.replace(sc, admission_defers=True) for sc in items)
-        batch = run_batch(items, bug)
+        stop = frozenset(args.stop_when.split(",")) if args.stop_when else None
+        batch = run_batch(items, bug, stop_when=stop)
     summary = batch.to_json()
     if args.json == "-":
         json.dump(summary, sys.stdout)
