@@ -1,5 +1,5 @@
 """Which chunks running requests are putting into HBM (kvtier.production), and the scheduler
-half's answer to cache-aware admission built on it (OffloadScheduler.waits_for_producer):
+half's answer to cache-aware admission built on it (OffloadScheduler.produced_until):
 a prefilling request produces its prompt's chunks from where its computation reached until
 its prompt is computed; a load produces the loaded chunks and the rest of the prompt; a
 preempted or finished request produces nothing; a request never waits for itself."""
@@ -27,6 +27,11 @@ def test_producers_register_once_and_stop_idempotently() -> None:
     assert not p.producing("c")
 
 
+def waits(sched: OffloadScheduler, req_id: str, tokens: list[int], hbm_tokens: int) -> bool:
+    """Whether ``req_id`` waits for a producer: another request produces its next chunk."""
+    return sched.produced_until(req_id, tokens, hbm_tokens) > 0
+
+
 def make(admission: bool = True) -> OffloadScheduler:
     return make_scheduler(cache_aware_admission=admission)
 
@@ -42,15 +47,15 @@ def test_a_waiting_request_waits_while_another_computes_its_next_chunk() -> None
     sched.schedule_step(StepInput(new=[NewRequest("a", table(1, 11))],
                                   scheduled=[ScheduledTokens("a", prompt, 2 * C, len(prompt))]))
     # b's HBM hit reaches what a computed: its next chunk (2) is a's to compute
-    assert sched.waits_for_producer("b", prompt, 2 * C)
-    assert sched.waits_for_producer("b", prompt, 2 * C + 16)  # inside chunk 2
-    assert not sched.waits_for_producer("b", prompt, 5 * C)  # past a's whole chunks
-    assert not sched.waits_for_producer("x", other, 0)  # another prefix
-    assert not sched.waits_for_producer("a", prompt, 2 * C)  # never itself
+    assert waits(sched, "b", prompt, 2 * C)
+    assert waits(sched, "b", prompt, 2 * C + 16)  # inside chunk 2
+    assert not waits(sched, "b", prompt, 5 * C)  # past a's whole chunks
+    assert not waits(sched, "x", other, 0)  # another prefix
+    assert not waits(sched, "a", prompt, 2 * C)  # never itself
     # a's prompt is computed: it produces nothing more (b's hit covers it next step)
     sched.schedule_step(StepInput(scheduled=[ScheduledTokens("a", prompt, len(prompt),
                                                              len(prompt), 2 * C)]))
-    assert not sched.waits_for_producer("b", prompt, 2 * C)
+    assert not waits(sched, "b", prompt, 2 * C)
 
 
 def test_a_load_produces_its_chunks_until_preemption_or_finish() -> None:
@@ -62,15 +67,15 @@ def test_a_load_produces_its_chunks_until_preemption_or_finish() -> None:
     sched.add_request("b")
     assert sched.lookup("a", prompt, 0) == 4 * C
     sched.start_load("a", 4 * C, table(20, 9))
-    assert sched.waits_for_producer("b", prompt, 0)  # a is loading chunk 0
+    assert waits(sched, "b", prompt, 0)  # a is loading chunk 0
     sched.schedule_step(StepInput(preempted=["a"]))
-    assert not sched.waits_for_producer("b", prompt, 0)
+    assert not waits(sched, "b", prompt, 0)
     sched.add_request("a")  # the id comes back as a new lifecycle
     assert sched.lookup("a", prompt, 0) == 4 * C
     sched.start_load("a", 4 * C, table(40, 9))
-    assert sched.waits_for_producer("b", prompt, C)
+    assert waits(sched, "b", prompt, C)
     sched.request_finished("a")
-    assert not sched.waits_for_producer("b", prompt, C)
+    assert not waits(sched, "b", prompt, C)
 
 
 def test_without_admission_nothing_is_tracked() -> None:
@@ -80,7 +85,7 @@ def test_without_admission_nothing_is_tracked() -> None:
     sched.add_request("b")
     sched.schedule_step(StepInput(new=[NewRequest("a", table(1, 10))],
                                   scheduled=[ScheduledTokens("a", prompt, C, len(prompt))]))
-    assert sched.producers is None and not sched.waits_for_producer("b", prompt, C)
+    assert sched.producers is None and not waits(sched, "b", prompt, C)
 
 
 def test_produced_until_is_the_end_of_the_chunks_other_requests_put_into_hbm() -> None:

@@ -763,24 +763,19 @@ class OffloadScheduler:
         c = self.geometry.chunk_tokens
         self.producers.produce(s.req_id, st.keys.keys[s.computed_after // c:s.num_prompt // c])
 
-    def waits_for_producer(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> bool:
-        """Whether another running request is computing or loading, into HBM, the chunk of
-        ``req_id``'s prompt (``tokens``) that its HBM hit of ``hbm_tokens`` reaches into: that
-        chunk lands in vLLM's prefix cache soon, and this request's hit grows then (cache-aware
-        admission, :mod:`kvtier.deferral`). False when admission is off."""
-        return self.produced_until(req_id, tokens, hbm_tokens) > 0
-
-    def producing(self) -> bool:
+    def producing_chunks(self) -> bool:
         """Whether some running request is computing or loading prompt chunks into HBM now
         (False when admission is off)."""
         return self.producers is not None and len(self.producers) > 0
 
     def produced_until(self, req_id: str, tokens: Sequence[int], hbm_tokens: int) -> int:
         """Where ``req_id``'s HBM hit will reach once the running requests that produce its
-        prompt's chunks, from the one its hit of ``hbm_tokens`` reaches into, have put them
-        into HBM: the end of the run of consecutive chunks that other requests produce, in
-        tokens; 0 when nobody produces the first of them (or admission is off). Admission
-        holds room for what the request needs beyond that point."""
+        prompt's (``tokens``) chunks, from the one its hit of ``hbm_tokens`` reaches into,
+        have put them into HBM: the end of the run of consecutive chunks that other requests
+        produce, in tokens; 0 when nobody produces the first of them (or admission is off).
+        Above 0 the request waits for them (they land in vLLM's prefix cache soon and its hit
+        grows then), and admission holds room for what it needs beyond that point
+        (:mod:`kvtier.deferral`)."""
         st = self.requests.get(req_id)
         if self.producers is None or st is None or not len(self.producers):
             return 0

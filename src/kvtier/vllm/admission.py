@@ -5,7 +5,7 @@ Contract:
 - it decides before kvtier's lookup (a deferred request costs no lookup), from vLLM's local
   hit alone;
 - *waits for a producer*: a running request computes or loads, into HBM, the chunk right
-  after this request's HBM hit (:meth:`kvtier.scheduler.OffloadScheduler.waits_for_producer`);
+  after this request's HBM hit (:meth:`kvtier.scheduler.OffloadScheduler.produced_until`);
 - *fits*: vLLM's block pool has at least as many free blocks (evictable cached ones included),
   less the room held for the producers' waiters (below), as the request needs beyond its HBM
   hit in every KV-cache group (vLLM admits a request only
@@ -65,6 +65,11 @@ def blocks_needed(groups: Sequence[GroupSpec], num_tokens: int, hbm_tokens: int)
     return total
 
 
+def _fits(room: tuple[int, int] | None) -> bool:
+    """``room`` as :meth:`Admission._room` gives it: None (warm) fits."""
+    return room is None or room[0] >= room[1]
+
+
 class Admission:
     def __init__(self, config: KvtierConfig, priority: bool,
                  groups: Sequence[GroupSpec]) -> None:
@@ -98,8 +103,7 @@ class Admission:
     def fits(self, num_tokens: int, hbm_tokens: int, held: int = 0) -> bool:
         """Whether the pool's free blocks, less ``held`` of them, hold what a request of
         ``num_tokens`` needs beyond its HBM hit (a warm request always fits)."""
-        room = self._room(num_tokens, hbm_tokens, held)
-        return room is None or room[0] >= room[1]
+        return _fits(self._room(num_tokens, hbm_tokens, held))
 
     def _room(self, num_tokens: int, hbm_tokens: int, held: int) -> tuple[int, int] | None:
         """(free blocks less ``held``, blocks needed beyond the hit), or None for a warm
@@ -128,7 +132,7 @@ class Admission:
         req_id, num_tokens = request.request_id, int(request.num_tokens)
         waits = produced_until > hbm_tokens
         room = self._room(num_tokens, hbm_tokens, self.held_blocks(req_id))
-        fits = room is None or room[0] >= room[1]
+        fits = _fits(room)
         tight = fits and room is not None and not waits and room[0] - room[1] < room[1]
         look_ahead = tight and (self.deferrals.deferred_steps(req_id) == 0
                                 or self._producing_step >= self.step - 1)

@@ -235,7 +235,7 @@ class SchedulerSide:
         plan.idle = not scheduler_output.num_scheduled_tokens
         if self.admission is not None:
             self.admission.step_planned(scheduler_output, sched.loads_in_flight(),
-                                        sched.producing())
+                                        sched.producing_chunks())
         return KvtierMetadata(plan, geometry_known=True)
 
     def _scheduled_tokens(self, scheduler_output: Any) -> list[ScheduledTokens]:
