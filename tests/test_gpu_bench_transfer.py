@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from _background import Background
 from kvtier.bench.transfer import cases, report
 from kvtier.bench.transfer.cases import FAMILIES, KIB, MIB, STEP_BYTES
 from kvtier.bench.transfer.gemm import gemm_slowdown
@@ -135,40 +135,35 @@ SMOKE_RUNS = {
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
+               ) -> Iterator[dict[str, tuple[Background, Path]]]:
     """The module's two ``--smoke`` runs, started at once: each is mostly one busy Python
     thread (the Triton interpreter), so on two cores together they take about as long as the
     longer one. Each test waits for its own (its output folder, its exit status)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    started: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    started: dict[str, tuple[Background, Path]] = {}
     try:
         for tag, extra in SMOKE_RUNS.items():
             out = tmp_path_factory.mktemp(f"smoke-{tag}")
-            with open(out / "stdout", "wb") as so, open(out / "stderr", "wb") as se:
-                started[tag] = (subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke", *extra,
-                     "--out", str(out), "--tag", tag], env=env, stdout=so, stderr=se), out)
+            started[tag] = (Background(
+                [sys.executable, "-m", "kvtier.cli", "bench", "transfer", "--smoke", *extra,
+                 "--out", str(out), "--tag", tag], out / "log", env=env), out)
         yield started
     finally:
-        for proc, _ in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        for run, _ in started.values():
+            run.kill()
 
 
-def _smoke(runs: dict[str, tuple[subprocess.Popen[bytes], Path]], tag: str) -> Path:
+def _smoke(runs: dict[str, tuple[Background, Path]], tag: str) -> Path:
     """The folder of the smoke run ``tag`` once it ended, which it must have done cleanly."""
-    proc, out = runs[tag]
-    rc = proc.wait(timeout=600)
-    tails = ((out / "stdout").read_text(errors="replace")[-2000:]
-             + (out / "stderr").read_text(errors="replace")[-2000:])
-    assert rc == 0, tails
+    run, out = runs[tag]
+    rc, log = run.result(600)
+    assert rc == 0, log[-4000:]
     return out
 
 
 def test_smoke_run_writes_the_table_json_and_png(
-        smoke_runs: dict[str, tuple[subprocess.Popen[bytes], Path]]) -> None:
+        smoke_runs: dict[str, tuple[Background, Path]]) -> None:
     out = _smoke(smoke_runs, "t")
     (js,) = out.glob("transfer-*-cpu-smoke-t.json")
     result = json.loads(js.read_text())
@@ -202,7 +197,7 @@ def test_the_kimi_linear_layout_is_what_vllm_registered_on_the_h200() -> None:
 
 
 def test_smoke_run_with_verified_restores(
-        smoke_runs: dict[str, tuple[subprocess.Popen[bytes], Path]]) -> None:
+        smoke_runs: dict[str, tuple[Background, Path]]) -> None:
     """``--verify``: saves checksum what they write and loads verify it (the engine fails a
     job on a mismatch, which the run reports as an error): a clean run has no errors."""
     out = _smoke(smoke_runs, "v")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
+
+from _background import Background
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,19 +30,12 @@ class _Bench:
                "--kvtier-set", "cost_model=false", *extra, "--model-root",
                str(tmp_path / f"model-{name}"), "--out-dir", str(self.out)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        self.run = Background(cmd, tmp_path / f"{name}.log", env=env)
 
     def runs(self) -> dict[str, dict]:
-        stdout, stderr = self.proc.communicate(timeout=1200)
-        assert self.proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        rc, log = self.run.result(1200)
+        assert rc == 0, log[-6000:]
         return {c: json.loads((self.out / f"{c}-r0.json").read_text()) for c in self.configs}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # and its engine process
-            self.proc.communicate(timeout=10)
 
 
 def test_admission_runs_each_prefix_group_together_in_fewer_steps(tmp_path: Path) -> None:
@@ -59,7 +52,7 @@ def test_admission_runs_each_prefix_group_together_in_fewer_steps(tmp_path: Path
         off, on, tight = (b.runs() for b in benches)
     finally:
         for b in benches:
-            b.kill()
+            b.run.kill()
     assert on["kvtier"]["tokens"] == off["kvtier"]["tokens"] == off["big"]["tokens"]
     counts_on, counts_off = on["kvtier"]["kvtier"], off["kvtier"]["kvtier"]
     assert counts_on["admission_deferred"] > 0 and counts_on["admission_expired"] == 0

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _background import Background
 from kvtier.bench.serving import free_port
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.geometry import resolve_chunk_tokens
@@ -57,35 +56,12 @@ def _chunk_line(chunk: int, block: int) -> str:
     return startup.one_line(str(info.value))
 
 
-class Run:
-    """One program expected to refuse to start, its output going to a file."""
-
-    def __init__(self, cmd: list[str], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(),
-                                         start_new_session=True)
-
-    def result(self, timeout: float = 540) -> tuple[int, str]:
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"still running after {timeout} s: {self.log.read_text()[-3000:]}")
-        return rc, self.log.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
 OFFLINE_CASES = [("recompute", 100), ("fail", 96)]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[dict[object, Run]]:
+         ) -> Iterator[dict[object, Background]]:
     """The module's three refusing programs, all started at once: each start-up is most of a
     minute on two cores, with mostly one of its processes busy at a time (the program, then
     its EngineCore, then the worker), so together they take about as long as the slowest."""
@@ -97,13 +73,13 @@ def runs(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
              "100", "--dram-size", "64MiB", "--host", "127.0.0.1", "--port", str(free_port()),
              "--load-format", "dummy", "--dtype", "float32", "--skip-tokenizer-init",
              "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "2"]
-    started: dict[object, Run] = {}
+    started: dict[object, Background] = {}
     try:
-        started["serve"] = Run(serve, tmp / "serve.log")
+        started["serve"] = Background(serve, tmp / "serve.log", env=_env())
         for policy, chunk in OFFLINE_CASES:
-            started[(policy, chunk)] = Run(
+            started[(policy, chunk)] = Background(
                 [sys.executable, str(script), tiny_llama_dir, policy, str(chunk)],
-                tmp / f"offline-{policy}-{chunk}.log")
+                tmp / f"offline-{policy}-{chunk}.log", env=_env())
         yield started
     finally:
         for run in started.values():
@@ -111,22 +87,22 @@ def runs(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.parametrize("policy, chunk", OFFLINE_CASES)
-def test_offline_start_up_refusal_is_the_last_line(runs: dict[object, Run], policy: str,
+def test_offline_start_up_refusal_is_the_last_line(runs: dict[object, Background], policy: str,
                                                    chunk: int) -> None:
     if policy == "fail":
         what, todo = startup.failure_policy_refusal("fail", False) or ("", "")
         line = startup.one_line(f"{what}; {todo}")
     else:
         line = _chunk_line(chunk, 32)
-    rc, stdout = runs[(policy, chunk)].result()
+    rc, stdout = runs[(policy, chunk)].result(540)
     out = _lines(stdout)
     assert rc != 0 and "the engine started" not in stdout
     assert out[-1] == line, "\n".join(out[-30:])
     assert any("ERROR" in ln and ln.endswith(line) for ln in out[:-1])  # logged where it failed
 
 
-def test_kvtier_serve_start_up_refusal_is_the_last_line(runs: dict[object, Run]) -> None:
-    rc, stdout = runs["serve"].result()
+def test_kvtier_serve_start_up_refusal_is_the_last_line(runs: dict[object, Background]) -> None:
+    rc, stdout = runs["serve"].result(540)
     out = _lines(stdout)
     assert rc != 0, "\n".join(out[-30:])
     m = re.fullmatch(r"kvtier: setting 'chunk_tokens' \(100\) is not a multiple of every "
