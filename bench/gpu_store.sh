@@ -63,31 +63,6 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 python3 tools/store_transfer_compare.py "$OUT/transfer" --json "$OUT/compare.json" 2>&1 \
     | tee "$OUT/compare.md" | tee -a "$OUT/log"
-# HUGE_SHMEM=1: the same rounds again with shared memory allowed 2 MiB pages (shmem_enabled =
-# advise, which the store's pool asks for: kvtier.huge_pages.fault_in_shared), into
-# transfer-huge/; the host's setting is put back after. A non-default host setting: reported
-# as its own arm, never as the default's numbers.
-SHMEM=/sys/kernel/mm/transparent_hugepage/shmem_enabled
-if [ -n "$HUGE_SHMEM" ] && [ -z "$DRY" ] && [ -w "$SHMEM" ]; then
-    was=$(sed 's/.*\[\(.*\)\].*/\1/' "$SHMEM")
-    echo advise > "$SHMEM" && echo "== shmem_enabled: $was -> $(cat "$SHMEM")" | tee -a "$OUT/log"
-    mkdir -p "$OUT/transfer-huge"
-    for round in $(seq 1 "$ROUNDS"); do
-        for pool in ${POOLS:-slab store memfd}; do
-            echo "== huge-shmem round $round, --host-pool $pool" | tee -a "$OUT/log"
-            timeout "$(within "${TRANSFER_TIMEOUT:-30}" $(( BUDGET - PIN_TIMEOUT )))" python3 -m kvtier.cli bench transfer \
-                --families mha,mla_bf16 --chunks 256KiB,2MiB --modes dma,kernel --no-gemm --reps 3 --gib 1 --host-pool "$pool" \
-                --tag "huge-$pool-$round" --out "$OUT/transfer-huge" 2>&1 | tee -a "$OUT/log"
-            echo "exit $? at $(( $(date +%s) - t_start )) s" | tee -a "$OUT/log"
-        done
-    done
-    echo "$was" > "$SHMEM"; echo "== shmem_enabled back to $(cat "$SHMEM")" | tee -a "$OUT/log"
-    python3 tools/store_transfer_compare.py "$OUT/transfer-huge" --json "$OUT/compare-huge.json" 2>&1 \
-        | tee "$OUT/compare-huge.md" | tee -a "$OUT/log"
-    tar czf "$OUT/transfer-huge.tgz" -C "$OUT" transfer-huge && rm -rf "$OUT/transfer-huge"
-elif [ -n "$HUGE_SHMEM" ]; then
-    echo "== HUGE_SHMEM: $SHMEM not writable here (or a dry run): arm skipped" | tee -a "$OUT/log"
-fi
 # the device tool returns at most 8 files: the runs' JSON and tables travel as one archive
 tar czf "$OUT/transfer.tgz" -C "$OUT" transfer && rm -rf "$OUT/transfer"
 echo "== pin time of a $PIN_SIZE store mapping" | tee -a "$OUT/log"

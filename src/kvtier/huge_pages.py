@@ -25,8 +25,6 @@ the shared mapping this replaces cost a fork nothing, and no child uses this mem
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import mmap
 
 import numpy as np
@@ -51,68 +49,3 @@ def huge_page_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     offset = -probe.ctypes.data % HUGE_PAGE
     del probe  # its buffer export would keep the mapping from closing
     return mapping, torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-
-
-THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-"""Linux 5.14+: fault every page of a range in, writable, or fail with an errno (never a
-SIGBUS). Python's mmap module names it from 3.13 on; the number is Linux's."""
-
-
-def _selected(path: str) -> str | None:
-    """The bracketed choice of a THP sysfs setting (``always [advise] never`` -> ``advise``)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
-
-
-def shared_huge_pages_allowed(sysfs: str = THP_SYSFS) -> bool:
-    """Whether shared memory (shmem: a memfd) can get 2 MiB pages here when its mapping asks
-    with ``MADV_HUGEPAGE``: the global ``shmem_enabled`` is ``always``, ``within_size``,
-    ``advise`` or ``force``, or the 2 MiB size's own setting (Linux 6.11+) says so. Most
-    distributions ship ``never``: then shared memory is 4 KiB pages whatever it asks."""
-    allowing = {"always", "within_size", "advise", "force"}
-    top = _selected(f"{sysfs}/shmem_enabled")
-    per_size = _selected(f"{sysfs}/hugepages-2048kB/shmem_enabled")
-    if per_size is not None and per_size != "inherit":
-        return per_size in allowing
-    return top in allowing
-
-
-def fault_in_shared(fd: int, size: int) -> bool:
-    """Fault every page of the memfd ``fd`` (``size`` bytes, already sized) in through a
-    mapping that asks for huge pages, so that the file's memory is 2 MiB pages where the host
-    allows them for shared memory (:func:`shared_huge_pages_allowed`): the pages stay the
-    file's after the mapping closes, and every later mapping sees the same physically
-    contiguous 2 MiB runs, which a GPU copies to and from faster than scattered 4 KiB pages.
-    Returns whether it ran; False where the host gives shared memory no huge pages or the
-    kernel lacks ``MADV_POPULATE_WRITE`` (the caller reserves the bytes as before). An
-    allocation failure raises ``OSError`` (ENOMEM), never a SIGBUS."""
-    if size <= 0 or not shared_huge_pages_allowed():
-        return False
-    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        try:
-            mapping.madvise(MADV_POPULATE_WRITE)
-        except OSError as e:
-            if e.errno == errno.EINVAL:  # a kernel before 5.14: fallocate reserves instead
-                return False
-            raise
-    finally:
-        mapping.close()
-    return True
-
-
-def ask_huge_pages(mapping: mmap.mmap) -> None:
-    """Ask that ``mapping`` (shared) be mapped with 2 MiB pages where its pages are 2 MiB
-    (a CPU TLB matter only: DMA pinning sees the physical runs whatever the mapping). Where
-    the kernel refuses, nothing changes."""
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            mapping.madvise(mmap.MADV_HUGEPAGE)

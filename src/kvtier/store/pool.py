@@ -6,9 +6,7 @@ Contract:
   nothing is ever left behind, whatever way the store exits; its memory lives exactly as
   long as the store or any client holds the descriptor or a mapping (an engine's loads
   promised before a store crash finish from the old mapping). Every byte is reserved at
-  start (faulted in through a mapping that asks for 2 MiB pages where the host gives shared
-  memory huge pages, :func:`kvtier.huge_pages.fault_in_shared`; then ``posix_fallocate``),
-  after checking the host's memory headroom
+  start (``posix_fallocate``), after checking the host's memory headroom
   (:func:`kvtier.hostmem.check_dram_size`), so a pool the host cannot hold is a start-up
   error, never a SIGBUS at a later write.
 - The pool is split into *arenas*, one per namespace (an engine's model, layout and chunk
@@ -30,7 +28,6 @@ from dataclasses import dataclass
 
 from kvtier.config import format_bytes
 from kvtier.hostmem import check_dram_size
-from kvtier.huge_pages import ask_huge_pages, fault_in_shared
 
 ARENA_ALIGN = 2 * 2**20
 
@@ -49,7 +46,6 @@ def create_pool_fd(size: int) -> int:
     fd = os.memfd_create("kvtier-store-pool", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        fault_in_shared(fd, size)  # 2 MiB pages where the host allows them (kvtier.huge_pages)
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         os.close(fd)
@@ -62,9 +58,7 @@ def create_pool_fd(size: int) -> int:
 
 def map_pool(fd: int, size: int) -> mmap.mmap:
     """Map the whole pool, shared, read-write (the descriptor stays open)."""
-    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    ask_huge_pages(mapping)
-    return mapping
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 @dataclass
