@@ -65,3 +65,30 @@ def test_kvtier_store_refuses_a_bad_disk_at_start(tmp_path, disk, message) -> No
     assert r.returncode == 2, r
     assert message in r.stderr and "--disk-path" in r.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_kvtier_store_without_a_remote_starts_where_redis_is_not_installed(  # type: ignore[no-untyped-def]
+        tmp_path, monkeypatch) -> None:
+    """Only a store given --remote-url needs the redis client (the `remote` extra): on a host
+    without it (the H200 image, 2026-12-02) the store must start, and a store asked for a
+    remote refuses at start with exit 2 naming the extra. A `redis` package that fails to
+    import stands for its absence."""
+    from pathlib import Path
+
+    from kvtier.testing.store_process import StoreProcess
+
+    shadow = tmp_path / "no-redis" / "redis"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('redis is not installed here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
+    store = StoreProcess(Path(tmp_path), size="8MiB").start(timeout=120)
+    assert "ready on" in store.ready_line
+    store.stop()
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", "--socket",
+                        str(tmp_path / "r.sock"), "--size", "8MiB",
+                        "--remote-url", "redis://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": SRC + os.pathsep + str(shadow.parent),
+                            "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r
+    assert "kvtier[remote]" in r.stderr and "Traceback" not in r.stderr

@@ -94,7 +94,6 @@ def open_remote(args: argparse.Namespace) -> StoreRemote | None:
     None."""
     from pydantic import ValidationError
 
-    from kvtier.store.remote import StoreRemote
     from kvtier.store.remote_settings import SETTINGS
 
     given = {n: getattr(args, n, None) for n in SETTINGS}
@@ -103,6 +102,12 @@ def open_remote(args: argparse.Namespace) -> StoreRemote | None:
         if given:
             raise ConfigError(f"--{next(iter(given)).replace('_', '-')} needs --remote-url")
         return None
+    try:  # redis (the `remote` extra): only a store with a remote needs it
+        from kvtier.store.remote import StoreRemote
+    except ImportError as e:
+        raise ConfigError(f"--remote-url needs the redis client: pip install 'kvtier[remote]' "
+                          f"({e})") from None
+
     try:
         return StoreRemote(given)
     except ValidationError as e:  # one line, naming the flags

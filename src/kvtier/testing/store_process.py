@@ -3,6 +3,7 @@ waited for until it prints its ready line, stopped (SIGTERM) or killed (SIGKILL)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,8 +39,12 @@ class StoreProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready on" not in line or time.monotonic() > deadline:
+            # what the store said before it exited (a traceback's last lines name the cause)
+            said = line
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                said += self.proc.communicate(timeout=10)[0] or ""
             self.stop()
-            raise RuntimeError(f"the store did not start: {line!r}")
+            raise RuntimeError("the store did not start:\n" + "\n".join(said.splitlines()[-12:]))
         self.ready_line = line.strip()
         return self
 
