@@ -30,8 +30,13 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import redis
 import torch
+
+try:
+    import redis
+except ImportError as e:  # the `remote` extra: only a remote tier needs it
+    raise ImportError(f"kvtier's remote tier (remote_url) needs the redis client: "
+                      f"pip install 'kvtier[remote]' ({e})") from e
 
 from kvtier.checksum import checksum, chunk_seed
 from kvtier.tiers.breaker import BreakerOpen, CircuitBreaker
