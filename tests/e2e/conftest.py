@@ -20,6 +20,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROBE = {"kv_connector": "ProbeConnector", "kv_connector_module_path": "kvtier.testing.probe"}
 
 
+CPU_MLA = {"attention_config": {"backend": "CPU_MLA"}}
+"""Engine arguments for an MLA model: vLLM's reference CPU MLA backend on every CPU. On CPUs
+with AMX, vLLM 0.32 picks AMX_MLA, which takes bfloat16 weights only ("expect weight to be
+bfloat16, ...": these tiny models are float32) and keeps prefix caching on; asked for by name,
+CPU_MLA runs everywhere the same way (prefix caching off for MLA, 16-token blocks)."""
+
+
 def make_llm(model: str, extra: dict[str, Any] | None = None, **kw: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
