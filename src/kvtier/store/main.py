@@ -105,7 +105,7 @@ def open_remote(args: argparse.Namespace) -> StoreRemote | None:
     try:  # redis (the `remote` extra): only a store with a remote needs it
         from kvtier.store.remote import StoreRemote
     except ImportError as e:
-        raise ConfigError(f"--remote-url: {e}") from None
+        raise ConfigError("--remote-url needs the redis client: pip install 'kvtier[remote]'") from e
 
     try:
         return StoreRemote(given)
