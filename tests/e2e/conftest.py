@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,11 +22,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROBE = {"kv_connector": "ProbeConnector", "kv_connector_module_path": "kvtier.testing.probe"}
 
 
-CPU_MLA = {"attention_config": {"backend": "CPU_MLA"}}
-"""Engine arguments for an MLA model: vLLM's reference CPU MLA backend on every CPU. On CPUs
-with AMX, vLLM 0.32 picks AMX_MLA, which takes bfloat16 weights only ("expect weight to be
-bfloat16, ...": these tiny models are float32) and keeps prefix caching on; asked for by name,
-CPU_MLA runs everywhere the same way (prefix caching off for MLA, 16-token blocks)."""
+def _uses_mla(model: str) -> bool:
+    """Whether the model folder's config is an MLA model (DeepSeek-style ``kv_lora_rank``)."""
+    config = Path(model) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
 
 
 def make_llm(model: str, extra: dict[str, Any] | None = None, **kw: Any) -> Any:
@@ -36,6 +37,16 @@ def make_llm(model: str, extra: dict[str, Any] | None = None, **kw: Any) -> Any:
         max_model_len=4096, max_num_seqs=4, block_size=32, seed=0,
     )
     args.update(kw)
+    if _uses_mla(model):
+        # vLLM's reference CPU MLA backend on every CPU: on CPUs with AMX, vLLM 0.32 picks
+        # AMX_MLA, which takes bfloat16 weights only ("expect weight to be bfloat16, ...":
+        # these tiny models are float32) and keeps prefix caching on; asked for by name,
+        # CPU_MLA runs everywhere the same way (prefix caching off for MLA, 16-token blocks).
+        # A draft model does not inherit the target's backend: its config asks too.
+        args.setdefault("attention_config", {"backend": "CPU_MLA"})
+        if args.get("speculative_config") is not None:
+            args["speculative_config"] = {"attention_backend": "CPU_MLA",
+                                          **args["speculative_config"]}
     # cost_model off: these tests check that every whole chunk is restored bit-exactly, and the
     # load-or-recompute estimate (measured link and prefill speed) may decline a one-chunk hit
     # on a busy CPU; the cost model has its own tests (tests/test_planner.py)

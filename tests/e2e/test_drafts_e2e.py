@@ -3,9 +3,10 @@ DeepSeek-V3 with one MTP layer (``num_nextn_predict_layers`` 1) serving as its o
 speculative tokens. vLLM registers the draft layer (``model.layers.2``) in the target's MLA
 group, so the restore check's byte comparison covers its blocks.
 
-vLLM 0.32's reference CPU MLA backend (asked for by name, ``CPU_MLA``: AMX's takes bfloat16
-weights only) runs without prefix caching for MLA models (``platforms/cpu.py``): run C of the restore check is then a full recompute, not an HBM hit at
-the same boundary; kvtier's restores are unaffected (the connector is asked either way).
+vLLM 0.32's reference CPU MLA backend (``make_llm`` asks for ``CPU_MLA``: AMX's takes
+bfloat16 weights only) runs without prefix caching for MLA models (``platforms/cpu.py``): run
+C of the restore check is then a full recompute, not an HBM hit at the same boundary; kvtier's
+restores are unaffected (the connector is asked either way).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from kvtier.testing.controls import draft_layers, layer_bytes, rpc_mask_draft_layers
 from kvtier.testing.models import tiny_deepseek_v3_mtp
 from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
-from tests.e2e.conftest import CPU_MLA, greedy, make_llm, prompt
+from tests.e2e.conftest import greedy, make_llm, prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -29,9 +30,7 @@ TARGET_LAYERS = 2
 def engine(tmp_path_factory: pytest.TempPathFactory, shutdown_after: list[Any]) -> Any:
     model = tiny_deepseek_v3_mtp(str(tmp_path_factory.mktemp("dsv3-mtp")), TARGET_LAYERS)
     llm = make_llm(model, max_model_len=2048, num_gpu_blocks_override=256,
-                   speculative_config={"method": "mtp", "num_speculative_tokens": 3,
-                                       "attention_backend": "CPU_MLA"},  # not inherited
-                   **CPU_MLA)
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     shutdown_after.append(llm)
     h = handles(llm)
     sharpen_dummy_weights(h)

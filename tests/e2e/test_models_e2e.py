@@ -10,14 +10,13 @@ import pytest
 
 from kvtier.testing.models import tiny_deepseek_v2, tiny_gemma2
 from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
-from tests.e2e.conftest import CPU_MLA, greedy, make_llm, prompt
+from tests.e2e.conftest import greedy, make_llm, prompt
 
 pytestmark = pytest.mark.e2e
 
 
-def _run(model_dir: str, shutdown_now: list[Any], prompts: list[list[int]],
-         **kw: Any) -> Any:
-    llm = make_llm(model_dir, max_model_len=2048, num_gpu_blocks_override=256, **kw)
+def _run(model_dir: str, shutdown_now: list[Any], prompts: list[list[int]]) -> Any:
+    llm = make_llm(model_dir, max_model_len=2048, num_gpu_blocks_override=256)
     shutdown_now.append(llm)
     h = handles(llm)
     sharpen_dummy_weights(h)
@@ -30,7 +29,7 @@ def _run(model_dir: str, shutdown_now: list[Any], prompts: list[list[int]],
 
 def test_mla_deepseek_v2_lite_shape(tmp_path: Any, shutdown_now: list[Any]) -> None:
     h = _run(tiny_deepseek_v2(str(tmp_path / "dsv2")), shutdown_now,
-             [prompt(3 * 256 + 5, seed=3)], **CPU_MLA)
+             [prompt(3 * 256 + 5, seed=3)])
     layout = h.worker_connector.worker_side.worker.layout
     (group,) = layout.groups
     # MLA's latent rows: 576 values per token, one segment per layer (merged or not)

@@ -20,7 +20,7 @@ import pytest
 from kvtier.testing.models import tiny_deepseek_v2
 from kvtier.testing.probe import rpc_fail_next_loads, rpc_worker_facts
 from kvtier.testing.restore import handles, restore_check, sharpen_dummy_weights
-from tests.e2e.conftest import CPU_MLA, greedy, make_llm, prompt, shutdown
+from tests.e2e.conftest import greedy, make_llm, prompt, shutdown
 
 pytestmark = pytest.mark.e2e
 
@@ -116,7 +116,7 @@ def test_tp2_kill_9_of_the_engine_and_its_workers_leaves_no_shared_memory(
 def test_tp2_mla_is_stored_once_and_loaded_by_both_ranks(
         tmp_path: Any, tp2_env: None, shutdown_now: list[Any]) -> None:
     llm = make_llm(tiny_deepseek_v2(str(tmp_path / "dsv2")), tensor_parallel_size=2,
-                   max_model_len=2048, num_gpu_blocks_override=256, **CPU_MLA)
+                   max_model_len=2048, num_gpu_blocks_override=256)
     shutdown_now.append(llm)
     h = handles(llm)
     sharpen_dummy_weights(h)
