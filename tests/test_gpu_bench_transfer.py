@@ -130,13 +130,15 @@ SMOKE_RUNS = {
     "t": ["--families", "mha,hybrid,kimi_linear,minimax_m3", "--chunks", "256KiB,2MiB"],
     # --verify: saves checksum what they write and loads verify it
     "v": ["--verify", "--families", "mha,kimi_linear", "--chunks", "256KiB"],
+    # --sweep: the kernel path's width/grid/batch shapes, saves and loads (alone on CPU)
+    "s": ["--sweep", "--families", "mha", "--chunks", "256KiB", "--modes", "kernel"],
 }
 
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[dict[str, tuple[Background, Path]]]:
-    """The module's two ``--smoke`` runs, started at once: each is mostly one busy Python
+    """The module's ``--smoke`` runs, started at once: each is mostly one busy Python
     thread (the Triton interpreter), so on two cores together they take about as long as the
     longer one. Each test waits for its own (its output folder, its exit status)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
@@ -206,6 +208,22 @@ def test_smoke_run_with_verified_restores(
     assert result["meta"]["verify_checksums"] is True
     assert [c["family"] for c in result["cells"]] == ["mha", "kimi_linear"]
     assert all("errors" not in c and c["modes"] for c in result["cells"])
+
+
+def test_smoke_run_sweeps_the_kernel_shapes_in_both_directions(
+        smoke_runs: dict[str, tuple[Background, Path]]) -> None:
+    """``--sweep`` on a cell that is not the indexer's 2 MiB: one row per shape of
+    ``runner.SWEEP``, with saves and loads measured (no GEMM on CPU: those fields are None)."""
+    from kvtier.bench.transfer.runner import SWEEP
+
+    out = _smoke(smoke_runs, "s")
+    (js,) = out.glob("transfer-*-cpu-smoke-s.json")
+    (cell,) = json.loads(js.read_text())["cells"]
+    rows = cell["sweep"]
+    assert [(r["num_warps"], r["max_programs"], r["batch_bytes"]) for r in rows] == list(SWEEP)
+    for r in rows:
+        assert r["save"] > 0 and r["load"] > 0
+        assert r["save_gemm"] is None and r["load_slowdown"] is None
 
 
 H200_CENSUS = ROOT / "bench/results/2026-12-01-gpu-h200-session3"

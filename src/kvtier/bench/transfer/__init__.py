@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-streams", type=int, default=None,
                    help="kernel streams per direction (default: the engine's, "
                         "kvtier.gpu.engine.KERNEL_STREAMS; 1 = one stream, as before)")
+    p.add_argument("--sweep", action="store_true",
+                   help="the kernel path's width/grid/batch sweep, saves and loads under the "
+                        "GEMM, on every cell (default: the indexer 2 MiB cell only)")
     p.add_argument("--verify", action="store_true",
                    help="checksums at save and verified at load, as verify_checksums does")
     p.add_argument("--host-pool", default="pinned", choices=POOLS,

@@ -42,6 +42,7 @@ class Setting:
     gemm: Gemm | None
     verify: bool = False  # checksums at save, verified at load (verify_checksums)
     kernel_streams: int | None = None  # None: the engine's default
+    sweep: bool = False  # the kernel width sweep on every cell (else indexer 2 MiB only)
 
     def sync(self) -> None:
         if not self.smoke:
@@ -149,7 +150,8 @@ def _run_all(args: argparse.Namespace, meta: dict[str, Any], device: Any, host: 
               flush=True)
     cfg = KvtierConfig(dram_size="1GiB", gpu_staging_size="256MiB" if not smoke else "2MiB")
     st = Setting(smoke, device, span, thr, cfg, torch.cuda.Stream(device) if not smoke else None,
-                 gemm, verify=bool(args.verify), kernel_streams=args.kernel_streams)
+                 gemm, verify=bool(args.verify), kernel_streams=args.kernel_streams,
+                 sweep=bool(getattr(args, "sweep", False)))
     meta["verify_checksums"] = bool(args.verify)
     meta["kernel_streams"] = args.kernel_streams or KERNEL_STREAMS
     modes = [m for m in args.modes.split(",") if m]
@@ -198,7 +200,7 @@ def _run_cell(st: Setting, result: dict[str, Any], host: Any, fam: str, chunk: i
             continue
         entry["modes"][mode] = m
         print("  " + report.line(mode, m), flush=True)
-    if fam == "indexer" and chunk == 2 * MIB and st.gemm is not None:
+    if st.sweep or (st.gemm is not None and fam == "indexer" and chunk == 2 * MIB):
         try:
             entry["sweep"] = sweep(st, cell)
         except Exception as e:
@@ -253,27 +255,41 @@ def _auto_paths(cell: Cell, thr: int) -> list[str]:
             for g in cell.layout.groups]
 
 
-SWEEP = ((4, 256, 64 * MIB), (1, 132, 64 * MIB), (1, 528, 64 * MIB), (4, 64, 64 * MIB),
-         (4, 256, 16 * MIB))
-"""(num_warps, max_programs, batch_bytes) of the gather kernel's sweep."""
+SWEEP = ((4, 256, 64 * MIB), (1, 132, 64 * MIB), (1, 528, 64 * MIB), (1, 1056, 64 * MIB),
+         (2, 528, 64 * MIB), (4, 64, 64 * MIB), (1, 528, 16 * MIB), (4, 256, 16 * MIB))
+"""(num_warps, max_programs, batch_bytes) of the gather/scatter kernel's sweep. Why these:
+under cuBLAS's persistent GEMM a queued kernel runs only where its programs fit beside the
+GEMM's CTAs; on the H200 thin programs co-resided best for saves (1 warp x 528: 51.6 GB/s
+under the GEMM, 4 x 256: 50.4, 4 x 64: 39.0; bench/notes/transfer.md run 3), and loads
+(whose scatter waits behind the GEMM after each batch lands) were never swept."""
 
 
 def sweep(st: Setting, cell: Cell) -> list[dict[str, Any]]:
-    """The gather kernel's width and grid, alone and under the GEMM (saves)."""
-    assert st.gemm is not None
+    """The kernel path's width, grid and batch, alone and under the GEMM, saves and loads:
+    one engine per shape; each row has both directions' GB/s and the GEMM's slowdown (None
+    without a GEMM: ``--smoke`` sweeps alone, which checks the code, not the numbers)."""
     sync: Callable[[], None] = st.sync
     out = []
     for warps, programs, batch in SWEEP:
         eng = _engine(st, cell, mode="kernel", max_programs=programs, num_warps=warps,
                       batch_bytes=batch)
-        warm(eng, cell, st.idle, sync)
-        alone = run_phase(eng, cell, "save", st.idle, sync)
-        under = under_gemm(eng, cell, "save", st.idle, sync, st.gemm, alone.seconds)
-        eng.close()
-        r = {"num_warps": warps, "max_programs": programs, "batch_bytes": batch,
-             "save": alone.gbps, "save_gemm": under["gbps"], "slowdown": under["slowdown"]}
-        print(f"  sweep kernel warps {warps} programs {programs} batch {batch // MIB} MiB: save "
-              f"{alone.gbps:.1f}, under GEMM {under['gbps']:.1f} GB/s "
-              f"({100 * under['slowdown']:+.1f}%)", flush=True)
+        try:
+            warm(eng, cell, st.idle, sync)
+            r: dict[str, Any] = {"num_warps": warps, "max_programs": programs,
+                                 "batch_bytes": batch}
+            for kind in ("save", "load"):
+                alone = run_phase(eng, cell, kind, st.idle, sync)
+                r[kind] = alone.gbps
+                r[kind + "_gemm"] = r[kind + "_slowdown"] = None
+                if st.gemm is not None:
+                    under = under_gemm(eng, cell, kind, st.idle, sync, st.gemm, alone.seconds)
+                    r[kind + "_gemm"], r[kind + "_slowdown"] = under["gbps"], under["slowdown"]
+        finally:
+            eng.close()
+        print(f"  sweep kernel warps {warps} programs {programs} batch {batch // MIB} MiB: "
+              + "; ".join(f"{k} {r[k]:.1f}" + (
+                  f", under GEMM {r[k + '_gemm']:.1f} GB/s ({100 * r[k + '_slowdown']:+.1f}%)"
+                  if r[k + "_gemm"] is not None else " GB/s") for k in ("save", "load")),
+              flush=True)
         out.append(r)
     return out
