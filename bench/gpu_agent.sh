@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call (one H200, the gpu-kit's vLLM 0.25.1 at $SITE): issue 15's first-seen TTFT
+# target. The 96-request agent-session run of the issue (16 sessions, an 8,192-token start,
+# +1,024 tool +256 message +64 output tokens per turn, concurrency 8, 2,600 HBM blocks of 16,
+# the Llama-8B shape with dummy weights) against vLLM's native offloading, in ROUNDS
+# alternating pairs (`kvtier bench serving --compare ... --rounds N`: both servers start once
+# and stay up, then the workload runs native, kvtier, native, kvtier, ..., each round on new
+# prompts), default engine settings (CUDA graphs on). The targets: first-
+# seen TTFT p50 <= 1.03x native from at least 5 pairs; with it, repeated-prefix TTFT p50 <=
+# 0.7x native and throughput >= native (CONCURRENCY=2 for the other half of that target).
+# Both servers share the GPU (GPU_UTIL each) and the host (DRAM_GIB each, pinned).
+# Needs the entry point: python3 -m pip install -q --no-deps --no-build-isolation .
+# Everything lands in $OUT/agent-c$CONCURRENCY/. DRY=1 checks both servers' arguments with
+# `kvtier serve --dry-run` (vLLM's own parser; runs on a CPU box: PY=.venv/bin/python SITE=
+# DRAM_GIB=4, as the dry run also checks dram_size against this machine's memory) and stops.
+set -u -o pipefail
+OUT=${OUT:-/tmp/kvtier-out}
+SITE=${SITE:-/tmp/site}
+PY=${PY:-python3}  # a dry run: the project's venv, e.g. PY=.venv/bin/python
+ROUNDS=${ROUNDS:-5}
+CONCURRENCY=${CONCURRENCY:-8}
+REQUESTS=${REQUESTS:-96}
+DRAM_GIB=${DRAM_GIB:-32}
+GPU_UTIL=${GPU_UTIL:-0.42}
+W=$OUT/agent-c$CONCURRENCY
+mkdir -p "$W"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
+MODEL=$("$PY" -c "from kvtier.bench.offline_engine import model_dir; print(model_dir('llama8b', '/tmp'))")
+# 8,192 + 5 x (1,024 + 256 + 64) + 1,024 + 256 + 64 tokens at the sixth turn: 16,256 < 20,480
+COMMON="$MODEL --load-format dummy --skip-tokenizer-init --dtype bfloat16 --block-size 16 \
+--num-gpu-blocks-override 2600 --max-model-len 20480 --gpu-memory-utilization $GPU_UTIL"
+NATIVE="--no-kvtier $COMMON --kv-offloading-size $DRAM_GIB"
+KVTIER="$COMMON --dram-size ${DRAM_GIB}GiB"
+for cfg in "$NATIVE" "$KVTIER"; do
+    # shellcheck disable=SC2086
+    "$PY" -m kvtier.cli serve $cfg --dry-run > "$W/dry-run.txt" 2>&1
+    rc=$?; echo "dry-run rc=$rc: $(tail -1 "$W/dry-run.txt" | head -c 300)"
+    [ $rc -eq 0 ] || exit $rc
+done
+[ -n "${DRY:-}" ] && exit 0
+timeout "${TIMEOUT:-570}" "$PY" -m kvtier.cli bench serving --workload agent-sessions \
+    --sessions 16 --turns 6 --first-len 8192 --tool-len 1024 --message-len 256 --osl 64 \
+    --concurrency "$CONCURRENCY" --requests "$REQUESTS" --rounds "$ROUNDS" --server-timeout 300 \
+    --compare native="$NATIVE" --compare kvtier="$KVTIER" --out "$W" 2>&1 | tee "$W/log" \
+    | grep -v "^\s*$" | tail -60
+echo "exit ${PIPESTATUS[0]}"
