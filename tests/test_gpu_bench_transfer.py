@@ -220,7 +220,10 @@ def test_smoke_run_sweeps_the_kernel_shapes_in_both_directions(
     (js,) = out.glob("transfer-*-cpu-smoke-s.json")
     (cell,) = json.loads(js.read_text())["cells"]
     rows = cell["sweep"]
-    assert [(r["num_warps"], r["max_programs"], r["batch_bytes"]) for r in rows] == list(SWEEP)
+    assert [(r["num_warps"], r["max_programs"], r["batch_bytes"]) for r in rows] == [
+        x[:3] for x in SWEEP]
+    staging = {r["staging_bytes"] for r in rows}
+    assert len(staging) == 2 and max(staging) == 4 * min(staging)  # the ring is swept too
     for r in rows:
         assert r["save"] > 0 and r["load"] > 0
         assert r["save_gemm"] is None and r["load_slowdown"] is None

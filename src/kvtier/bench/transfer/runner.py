@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.bench.transfer import report
@@ -255,13 +255,18 @@ def _auto_paths(cell: Cell, thr: int) -> list[str]:
             for g in cell.layout.groups]
 
 
-SWEEP = ((4, 256, 64 * MIB), (1, 132, 64 * MIB), (1, 528, 64 * MIB), (1, 1056, 64 * MIB),
-         (2, 528, 64 * MIB), (4, 64, 64 * MIB), (1, 528, 16 * MIB), (4, 256, 16 * MIB))
-"""(num_warps, max_programs, batch_bytes) of the gather/scatter kernel's sweep. Why these:
-under cuBLAS's persistent GEMM a queued kernel runs only where its programs fit beside the
-GEMM's CTAs; on the H200 thin programs co-resided best for saves (1 warp x 528: 51.6 GB/s
-under the GEMM, 4 x 256: 50.4, 4 x 64: 39.0; bench/notes/transfer.md run 3), and loads
-(whose scatter waits behind the GEMM after each batch lands) were never swept."""
+SWEEP = ((4, 256, 64 * MIB, 1), (1, 132, 64 * MIB, 1), (1, 528, 64 * MIB, 1),
+         (1, 1056, 64 * MIB, 1), (2, 528, 64 * MIB, 1), (4, 64, 64 * MIB, 1),
+         (1, 528, 16 * MIB, 1), (4, 256, 16 * MIB, 1), (4, 256, 16 * MIB, 4),
+         (1, 528, 16 * MIB, 4))
+"""(num_warps, max_programs, batch_bytes, staging factor) of the gather/scatter kernel's sweep;
+the factor multiplies the run's ``gpu_staging_size`` (half per direction). Why these: under
+cuBLAS's persistent GEMM a queued kernel runs only where its programs fit beside the GEMM's
+CTAs; on the H200 thin programs co-resided best for saves (1 warp x 528: 51.6 GB/s under the
+GEMM, 4 x 256: 50.4, 4 x 64: 39.0; bench/notes/transfer.md run 3). Loads were never swept:
+a load's scatter waits for a GEMM boundary after its batch lands, and with two 64 MiB
+batches per direction in the staging ring the next batch's copy waits for that scatter, so
+smaller batches in a larger ring are swept too."""
 
 
 def sweep(st: Setting, cell: Cell) -> list[dict[str, Any]]:
@@ -270,13 +275,16 @@ def sweep(st: Setting, cell: Cell) -> list[dict[str, Any]]:
     without a GEMM: ``--smoke`` sweeps alone, which checks the code, not the numbers)."""
     sync: Callable[[], None] = st.sync
     out = []
-    for warps, programs, batch in SWEEP:
-        eng = _engine(st, cell, mode="kernel", max_programs=programs, num_warps=warps,
-                      batch_bytes=batch)
+    for warps, programs, batch, factor in SWEEP:
+        staging = int(st.cfg.gpu_staging_size) * factor
+        cfg = st.cfg.model_copy(update={"gpu_staging_size": staging,
+                                        "dram_size": max(int(st.cfg.dram_size), staging)})
+        eng = _engine(replace(st, cfg=cfg), cell, mode="kernel", max_programs=programs,
+                      num_warps=warps, batch_bytes=batch)
         try:
             warm(eng, cell, st.idle, sync)
             r: dict[str, Any] = {"num_warps": warps, "max_programs": programs,
-                                 "batch_bytes": batch}
+                                 "batch_bytes": batch, "staging_bytes": staging}
             for kind in ("save", "load"):
                 alone = run_phase(eng, cell, kind, st.idle, sync)
                 r[kind] = alone.gbps
@@ -286,7 +294,8 @@ def sweep(st: Setting, cell: Cell) -> list[dict[str, Any]]:
                     r[kind + "_gemm"], r[kind + "_slowdown"] = under["gbps"], under["slowdown"]
         finally:
             eng.close()
-        print(f"  sweep kernel warps {warps} programs {programs} batch {batch // MIB} MiB: "
+        print(f"  sweep kernel warps {warps} programs {programs} batch {batch // MIB} MiB "
+              f"staging {staging // MIB} MiB: "
               + "; ".join(f"{k} {r[k]:.1f}" + (
                   f", under GEMM {r[k + '_gemm']:.1f} GB/s ({100 * r[k + '_slowdown']:+.1f}%)"
                   if r[k + "_gemm"] is not None else " GB/s") for k in ("save", "load")),
