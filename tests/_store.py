@@ -56,7 +56,9 @@ class StoreTier(Tier):
         plan = self.sched.schedule_step(step or StepInput())
         plan.store_epoch = self.index.epoch if self.index.up else 0
         w = self.worker
-        assert self.mapping.follow(plan.store_epoch, w.drain)
+        ok = self.mapping.follow(plan.store_epoch, w.drain, w.engine.slab_moved)
+        assert ok or self.mapping.pinner is not None, self.mapping.why  # unpinned: at once
+        w.refusing = None if ok else self.mapping.why  # as the connector's worker side does
         w.fence(plan)
         w.begin_step(plan)
         w.end_step(plan)

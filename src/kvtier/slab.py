@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -252,17 +252,47 @@ class HostSlab:
     def _pin(self, pinner: Pinner, pin_step: int) -> None:
         """Register every :func:`pin_ranges` piece; on a refusal undo what was registered."""
         self._pinner = pinner
-        base = self.buffer.data_ptr()
-        for start, length in pin_ranges(self.layout, pin_step):
-            try:
-                pinner.register(base + start, length)
-            except Exception as e:
-                self.close()
-                raise SlabError(
-                    f"pinning {format_bytes(length)} of host memory at offset {start} failed "
-                    f"({e}); lower dram_size"
-                ) from e
-            self._registered.append(base + start)
+        try:
+            self._registered = pin_region(pinner, self.buffer.data_ptr(), self.layout, pin_step)
+        except SlabError:
+            self.close()
+            raise
+
+    def vacate(self) -> Callable[[], None]:
+        """Stop using the slab's memory now; returns its release (unregister every pinned
+        range, then unmap), which the caller may run on another thread.
+
+        Contract: nothing copies to or from the slab any more (the caller drained it). From
+        now until :meth:`occupy` the buffer is empty, so a copy that still came would fail
+        on its bounds instead of reading or writing memory the slab no longer stands for.
+        """
+        registered, pinner, mapping = self._registered, self._pinner, self._mmap
+        self._registered, self._mmap = [], None
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+        def release() -> None:
+            if pinner is not None:  # before the unmap: CUDA's registration is of the pages
+                for ptr in registered:
+                    pinner.unregister(ptr)
+            if mapping is not None:
+                with contextlib.suppress(BufferError):  # a view alive: unmapped with it
+                    mapping.close()
+
+        return release
+
+    def occupy(self, region: tuple[mmap.mmap, int], registered: Sequence[int],
+               pinner: Pinner | None) -> None:
+        """Take ``region`` (a mapping and the slab's byte offset in it, owned by the slab from
+        now on) as the slab's memory, after :meth:`vacate`. ``registered``: the starts of
+        its ranges ``pinner`` already pinned (:func:`pin_region`), unpinned at close."""
+        # vLLM calls the worker's step hooks under torch.inference_mode; the transfer thread
+        # writes the slab outside it, which an inference tensor refuses
+        with torch.inference_mode(False):
+            self.buffer = torch.frombuffer(region[0], dtype=torch.uint8,
+                                           count=self.layout.total_bytes, offset=region[1])
+        self._mmap = region[0]
+        self._registered = list(registered)
+        self._pinner = pinner
 
     @property
     def registered(self) -> list[int]:
@@ -294,6 +324,25 @@ class HostSlab:
             with contextlib.suppress(BufferError):
                 self._mmap.close()
             self._mmap = None
+
+
+def pin_region(pinner: Pinner, base: int, layout: SlabLayout, pin_step: int) -> list[int]:
+    """Register the :func:`pin_ranges` of a slab of ``layout`` whose memory starts at
+    ``base``; returns their start addresses in order. On a refusal every range registered so
+    far is unregistered and :class:`SlabError` says which piece failed."""
+    done: list[int] = []
+    for start, length in pin_ranges(layout, pin_step):
+        try:
+            pinner.register(base + start, length)
+        except Exception as e:
+            for ptr in done:
+                pinner.unregister(ptr)
+            raise SlabError(
+                f"pinning {format_bytes(length)} of host memory at offset {start} failed "
+                f"({e}); lower dram_size"
+            ) from e
+        done.append(base + start)
+    return done
 
 
 def pin_ranges(layout: SlabLayout, pin_step: int) -> list[tuple[int, int]]:

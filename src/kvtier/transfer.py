@@ -137,6 +137,12 @@ class TransferEngine(ABC):
         """Block until every submitted copy finished (shutdown, tests); completions are
         still reported by the next :meth:`poll`."""
 
+    def slab_moved(self) -> None:  # noqa: B027 - optional hook
+        """The mover's slab now lies in other memory (the node-wide store's new pool,
+        :meth:`kvtier.slab.HostSlab.occupy`): forget anything derived from its old addresses
+        or pinned ranges. Called after :meth:`drain`, with no job in flight or queued.
+        Engines that read ``mover.slab`` at each copy (the CPU engine) keep this default."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -179,6 +185,9 @@ class EngineWrapper(TransferEngine):
 
     def drain(self) -> None:
         self.inner.drain()
+
+    def slab_moved(self) -> None:
+        self.inner.slab_moved()
 
     def close(self) -> None:
         self.inner.close()

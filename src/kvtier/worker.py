@@ -159,6 +159,17 @@ class OffloadWorker:
         self.total_bytes_loaded = 0
         self.step = 0  # of the last plan begun
         self._idle = False  # the step begun last computes nothing (StepPlan.idle)
+        # Why this step's plan must not touch the slab (None: it may): set by the adapter
+        # before fence/begin_step and kept through end_step of that plan. The node-wide
+        # store's worker sets it while its slab maps no pool of the plan's epoch (a new pool
+        # still being mapped and pinned, kvtier.store.attach.StoreMapping.follow): then every
+        # load, verify and save of the plan fails at once without reaching the engine (a
+        # load's request recomputes, a save is aborted as any failed save is) and nothing is
+        # re-issued (RetryingLoads never sees them). Tier plans are not refused: with a store
+        # the worker gets none (the store's tiers are the store's own).
+        self.refusing: str | None = None
+        self.refused = 0  # jobs failed so, ever
+        self._refused: list[Completion] = []
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
@@ -180,10 +191,16 @@ class OffloadWorker:
         self.engine.tick()
         for job in plan.loads:
             self._load_reqs[job.job_id] = job
+            if self.refusing is not None:
+                self._refuse(JobKind.LOAD, job)
+                continue
             self._inflight[job.job_id] = self._collects
             self.engine.load(job)
         for job in plan.verifies:
             self._load_reqs[job.job_id] = job
+            if self.refusing is not None:
+                self._refuse(JobKind.VERIFY, job)
+                continue
             self._inflight[job.job_id] = self._collects
             self.engine.verify(job)
         for tier_plan in plan.tiers:
@@ -220,15 +237,27 @@ class OffloadWorker:
     def end_step(self, plan: StepPlan) -> None:
         """After the forward: start this step's saves (never waited for here)."""
         for job in plan.saves:
-            if self.writes:
+            if self.refusing is not None:  # every rank: no rank's shard was written
+                self._refuse(JobKind.SAVE, job)
+            elif self.writes:
                 self._inflight[job.job_id] = self._collects
                 self.engine.save(job)
             else:
                 self._reported_nowrite.append(job)
 
+    def _refuse(self, kind: JobKind, job: Job) -> None:
+        """Fail ``job`` without running it (:attr:`refusing` says why); reported by the next
+        :meth:`collect` like a job the engine failed."""
+        self.refused += 1
+        self._refused.append(Completion(job.job_id, kind, False, 0, 0.0,
+                                        f"not run: {self.refusing}"))
+
     def collect(self) -> StepResult:
         out = StepResult()
         rep = out.report
+        refused, self._refused = self._refused, []
+        for c in refused:
+            self._account(c, out)
         for job in self._reported_nowrite:
             rep.saves[job.job_id] = [1, 0]
         self._reported_nowrite = []
@@ -312,7 +341,8 @@ class OffloadWorker:
 
     def pending(self) -> int:
         tier = sum(r.pending() for r in self.tiers.values())
-        return self.engine.pending() + len(self._reported_nowrite) + tier
+        return (self.engine.pending() + len(self._reported_nowrite) + len(self._refused)
+                + tier)
 
     def drain(self) -> None:
         """Wait until every submitted transfer finished (reported at the next collect)."""

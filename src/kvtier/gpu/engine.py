@@ -327,12 +327,10 @@ class CudaTransferEngine(TransferEngine):
         self._ids = ({"save": _IdUpload(runtime), "load": _IdUpload(runtime)}
                      if need_stage or self.verify_sums else {})
         self._verifier = SlotVerifier(mover)
-        slab = mover.slab
-        self._slab_base = slab.buffer.data_ptr()
-        # where each cudaHostRegister of the slab starts: copies must not straddle two
-        self._host_bounds = np.array(sorted(getattr(slab, "registered", ())[1:]),
-                                     dtype=np.int64)
-        self._slab_layout = slab.layout
+        self._slab_base = 0
+        self._host_bounds = np.zeros(0, dtype=np.int64)
+        self._slab_layout = mover.slab.layout
+        self._take_slab()
         self._chunk_bytes = {g.gid: g.chunk_bytes for g in self._groups}
         self._queued: list[Job] = []
         self._queued_bytes = 0
@@ -368,6 +366,25 @@ class CudaTransferEngine(TransferEngine):
             g.tiles = TileTable.build(group, bpc, stage_align=STAGE_ALIGN)
             g.host_check = self.mover.verify and g.tiles.vec < 8
         return g
+
+    def _take_slab(self) -> None:
+        """What the engine derives from the slab's host memory: its base address (every
+        slot's address, :meth:`_slot_addrs`) and where each cudaHostRegister of it starts
+        (copies must not straddle two, :func:`~kvtier.gpu.dma.split_at`). Nothing else here
+        holds a slab address: descriptors are built per batch, the staging ring and the id
+        upload are device and pinned memory of the engine's own, and checksums are stored
+        through ``mover.slab`` when a batch finishes."""
+        slab = self.mover.slab
+        self._slab_base = slab.buffer.data_ptr()
+        self._host_bounds = np.array(sorted(getattr(slab, "registered", ())[1:]),
+                                     dtype=np.int64)
+        self._slab_layout = slab.layout
+
+    def slab_moved(self) -> None:
+        """The slab is in a new mapping (the store's new pool): copy to and from it."""
+        if self._queued or self._jobs:
+            raise RuntimeError("the slab moved under jobs still queued or in flight")
+        self._take_slab()
 
     def paths(self) -> list[str]:
         """The path each group takes (``dma`` or ``kernel``)."""
@@ -527,13 +544,19 @@ class CudaTransferEngine(TransferEngine):
 
     def drain(self) -> None:
         """Enqueue everything queued and wait on the host until it completed (tests, bench,
-        shutdown); the completions stay for :meth:`poll`."""
+        shutdown, a store's new epoch); the completions stay for :meth:`poll`. The batches
+        are finished here (their checksums stored in, or compared with, the slab they
+        copied), so that once this returns nothing of them touches the slab any more: it
+        may move next (:meth:`slab_moved`)."""
         self._flush()
         self._verifier.drain()
         for b in (*self._inflight["save"], *self._inflight["load"]):
             if b.done is not None:
                 with contextlib.suppress(RuntimeError):
                     b.done.synchronize()
+        for queue in self._inflight.values():
+            while queue and self._finish_batch(queue[0], self._ready):
+                queue.popleft()
 
     def close(self) -> None:
         self.drain()

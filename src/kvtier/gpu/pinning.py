@@ -15,19 +15,24 @@ from kvtier.slab import SlabError
 
 class CudaPinner:
     """Registers and unregisters host ranges with the CUDA runtime of this process. Create
-    it after the device is set (the registration is made for the current context)."""
+    it after the device is set: the registration is made for that device's context, on any
+    thread (a store's new pool is pinned off the step path, on a thread whose current device
+    would otherwise be device 0, whose context is not the one the worker's copies run in)."""
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise SlabError("pinning asked for, but CUDA is not available")
         self._cudart = torch.cuda.cudart()
+        self.device = torch.cuda.current_device()
 
     def register(self, ptr: int, length: int) -> None:
         """Page-lock ``length`` bytes at ``ptr``; raises with the CUDA error code."""
-        err = int(self._cudart.cudaHostRegister(ptr, length, 0))
+        with torch.cuda.device(self.device):
+            err = int(self._cudart.cudaHostRegister(ptr, length, 0))
         if err != 0:
             raise RuntimeError(f"cudaError {err}")
 
     def unregister(self, ptr: int) -> None:
         """Undo the registration that starts at ``ptr``."""
-        self._cudart.cudaHostUnregister(ptr)
+        with torch.cuda.device(self.device):
+            self._cudart.cudaHostUnregister(ptr)

@@ -18,7 +18,7 @@ from kvtier.index.memory import GroupIndexSpec
 from kvtier.keys import Namespace
 from kvtier.layout import Layout
 from kvtier.protocol import StepPlan
-from kvtier.slab import SlabLayout
+from kvtier.slab import Pinner, SlabLayout
 from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
 from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
@@ -61,13 +61,15 @@ def close_index(index: object) -> None:
 
 
 def worker_mapping(setup: ConnectorSetup, geometry: Geometry, num_shards: int,
-                   layout: Layout) -> StoreMapping:
+                   layout: Layout, pinner: Pinner | None = None) -> StoreMapping:
     """``layout``: the worker's KV layout (with ``verify_checksums`` the store learns how its
-    slots are checksummed, and checks each before writing it to a tier)."""
+    slots are checksummed, and checks each before writing it to a tier). ``pinner``: the
+    worker's (a KV cache on a GPU): the pool is pinned in ``pin_step_size`` pieces."""
     url = setup.config.store_url
     assert url is not None
     slab = geometry.slab_layout(setup.config, num_shards)
     sums = checksum_spec(layout, geometry) if setup.config.verify_checksums else None
     return StoreMapping(StoreClient(url), attach_spec(engine_namespace(setup, geometry),
                                                       geometry_specs(geometry), slab,
-                                                      geometry, sums))
+                                                      geometry, sums),
+                        pinner=pinner, pin_step=setup.config.pin_step_size)

@@ -102,20 +102,29 @@ class WorkerSide:
             store = setup.config.store_url is not None
             shm = (engine_shared_slab(self._vllm_config)
                    if setup.world_size > 1 and not store else None)
-            if store:  # the slab lies in the node-wide store's pool (kvtier.vllm.store_link)
+            pinner = _pinner(device_is_cuda)
+            if store:  # the slab lies in the node-wide store's pool (kvtier.vllm.store_link),
+                # pinned with the worker's pinner as a private slab would be
                 self.store_mapping = worker_mapping(
                     setup, Geometry.of_layout(layout, chunk),
-                    1 if setup.replicated else setup.world_size, layout)
+                    1 if setup.replicated else setup.world_size, layout, pinner)
             self.worker = OffloadWorker(
                 setup.config, layout, chunk, rank=rank, world_size=setup.world_size,
-                replicated=setup.replicated, shared=shm, pinner=_pinner(device_is_cuda),
+                replicated=setup.replicated, shared=shm, pinner=pinner,
                 engine_factory=factory,
                 slab_factory=self.store_mapping.slab if self.store_mapping else None,
             )
         self._geometry = self.worker.geometry
         transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
-        logger.info("%s", worker_census(rank, layout, chunk, self.worker.slab_layout.total_bytes,
-                                        transfer))
+        census = worker_census(rank, layout, chunk, self.worker.slab_layout.total_bytes,
+                               transfer)
+        mapping = self.store_mapping
+        if mapping is not None:
+            t = mapping.timing
+            census += (f", store pool mapped in {t.map_seconds:.2f} s, pinned in "
+                       f"{t.pin_seconds:.2f} s" if mapping.attached_at_start else
+                       ", store not reachable yet (its pool is mapped when it answers)")
+        logger.info("%s", census)
 
     # -- the step ---------------------------------------------------------------------------
     @staticmethod
@@ -146,12 +155,19 @@ class WorkerSide:
 
     def _follow_store(self, plan: StepPlan) -> None:
         """On a new store epoch, move the slab to the store's new pool (after the jobs in
-        flight finished on the old one)."""
+        flight finished on the old one). Until the slab maps the plan's pool (a GPU worker
+        pins it off the step path; or the store cannot be reached) the plan's jobs fail at
+        once without touching the slab (:attr:`OffloadWorker.refusing`): never run against
+        another epoch's bytes."""
         mapping, worker = self.store_mapping, self.worker
-        if (mapping is not None and worker is not None
-                and not mapping.follow(plan.store_epoch, worker.drain)):
-            logger.warning("kvtier: the store's pool of epoch %d cannot be mapped",
-                           plan.store_epoch)
+        if mapping is None or worker is None:
+            return
+        was = worker.refusing
+        ok = mapping.follow(plan.store_epoch, worker.drain, worker.engine.slab_moved)
+        worker.refusing = None if ok else mapping.why
+        if worker.refusing is not None and was is None:
+            logger.warning("kvtier: %s; this worker fails its jobs (recompute) until it is",
+                           mapping.why)
 
     def wait_for_save(self, connector_metadata: Any) -> None:
         if self.worker is None:
@@ -205,6 +221,8 @@ class WorkerSide:
         return {**stats_payload(counts, {}), **observed}
 
     def shutdown(self) -> None:
+        if self.store_mapping is not None:
+            self.store_mapping.close()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
