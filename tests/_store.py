@@ -4,19 +4,23 @@ the store's pool), wired as tests/_tier.py wires the in-process tier."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
 from _tier import Tier
 from kvtier.geometry import Geometry
 from kvtier.index.memory import GroupIndexSpec
 from kvtier.scheduler import OffloadScheduler, StepInput
-from kvtier.slab import SlabLayout
+from kvtier.slab import Pinner, SlabLayout
 from kvtier.store.attach import StoreMapping
 from kvtier.store.client import StoreClient
 from kvtier.store.index import StoreIndex, attach_spec, geometry_specs
 from kvtier.testing.store_process import SRC, StoreProcess
+from kvtier.transfer import ChunkMover, TransferEngine
 from kvtier.worker import OffloadWorker, StepResult
+
+EngineFactory = Callable[[ChunkMover], TransferEngine]
 
 
 class StoreTier(Tier):
@@ -25,8 +29,13 @@ class StoreTier(Tier):
     for the store after each plan."""
 
     def __init__(self, url: str, seed: int = 0, namespace: bytes = b"t" * 16,
-                 retry_seconds: float = 0.2, timeout: float = 2.0) -> None:
-        self.config = CONFIG.model_copy(update={"cost_model": False})
+                 retry_seconds: float = 0.2, timeout: float = 2.0,
+                 pinner: Pinner | None = None, engine_factory: EngineFactory | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        """``pinner``: the worker's (the store's pool is pinned with it, as on a GPU);
+        ``engine_factory``: its transfer engine (default the CPU one); ``config``: settings
+        over the test's."""
+        self.config = CONFIG.model_copy(update={"cost_model": False, **(config or {})})
         self.kv = SmallKV(seed=seed)
         self.url, self.namespace = url, namespace
         self._retry, self._timeout = retry_seconds, timeout
@@ -35,8 +44,10 @@ class StoreTier(Tier):
         specs = geometry_specs(geo)
         layout = geo.slab_layout(self.config, 1)
         self.mapping = StoreMapping(StoreClient(url, timeout),
-                                    attach_spec(namespace, specs, layout))
+                                    attach_spec(namespace, specs, layout), pinner=pinner,
+                                    pin_step=self.config.pin_step_size)
         self.worker = OffloadWorker(self.config, self.kv.layout, CHUNK_TOKENS,
+                                    engine_factory=engine_factory,
                                     slab_factory=self.mapping.slab)
         self.sched = OffloadScheduler(self.config, self.worker.geometry, namespace,
                                       self.worker.slab_layout, index_factory=self._index)
@@ -69,6 +80,7 @@ class StoreTier(Tier):
         return res
 
     def close(self) -> None:
+        self.mapping.close()
         super().close()
         self.index.client.close()
 

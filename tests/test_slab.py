@@ -10,6 +10,7 @@ import torch
 from kvtier.config import ConfigError
 from kvtier.gpu.pinning import CudaPinner
 from kvtier.slab import HostSlab, SlabError, SlotAllocator, lay_out_slab, pin_ranges
+from kvtier.testing.pinning import RecordingPinner
 from tests.test_huge_pages import anon_huge_bytes, thp_available
 
 MiB = 2**20
@@ -149,28 +150,9 @@ def test_pinning_without_cuda_is_an_error_not_a_silent_no_op() -> None:
         HostSlab(lay_out_slab(4 * MiB, [MiB]), pinner=CudaPinner())
 
 
-class _RecordingPinner:
-    """A pinner that keeps the ranges it is given (and refuses the ``refuse``-th one), so the
-    slab's side of pinning is checked without a GPU; the CUDA side is in test_gpu_cuda.py."""
-
-    def __init__(self, refuse: int = -1) -> None:
-        self.refuse = refuse
-        self.pinned: dict[int, int] = {}
-        self.calls = 0
-
-    def register(self, ptr: int, length: int) -> None:
-        self.calls += 1
-        if self.calls - 1 == self.refuse:
-            raise RuntimeError("cudaError 2")
-        self.pinned[ptr] = length
-
-    def unregister(self, ptr: int) -> None:
-        del self.pinned[ptr]
-
-
 def test_a_pinner_gets_exactly_the_pin_ranges_and_releases_them_at_close() -> None:
     layout = lay_out_slab(40 * MiB, [3 * MiB, 5 * MiB], num_shards=2)
-    pinner = _RecordingPinner()
+    pinner = RecordingPinner()
     slab = HostSlab(layout, pin_step=8 * MiB, pinner=pinner)
     base = slab.buffer.data_ptr()
     want = {base + off: n for off, n in pin_ranges(layout, 8 * MiB)}
@@ -183,7 +165,7 @@ def test_a_pinner_gets_exactly_the_pin_ranges_and_releases_them_at_close() -> No
 
 def test_a_refused_registration_is_an_error_with_numbers_and_undoes_the_others() -> None:
     layout = lay_out_slab(40 * MiB, [3 * MiB], num_shards=1)
-    pinner = _RecordingPinner(refuse=2)
+    pinner = RecordingPinner(refuse=2)
     with pytest.raises(SlabError, match=r"at offset \d+ failed \(cudaError 2\); lower dram_size"):
         HostSlab(layout, pin_step=6 * MiB, pinner=pinner)
     assert pinner.calls == 3 and pinner.pinned == {}

@@ -258,9 +258,9 @@ class HostSlab:
             self.close()
             raise
 
-    def vacate(self) -> Callable[[], None]:
-        """Stop using the slab's memory now; returns its release (unregister every pinned
-        range, then unmap), which the caller may run on another thread.
+    def vacate(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Stop using the slab's memory now; returns how to release it, which the caller may
+        run on another thread: ``unpin`` (unregister every pinned range) and then ``unmap``.
 
         Contract: nothing copies to or from the slab any more (the caller drained it). From
         now until :meth:`occupy` the buffer is empty, so a copy that still came would fail
@@ -270,15 +270,17 @@ class HostSlab:
         self._registered, self._mmap = [], None
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
-        def release() -> None:
-            if pinner is not None:  # before the unmap: CUDA's registration is of the pages
+        def unpin() -> None:
+            if pinner is not None:
                 for ptr in registered:
                     pinner.unregister(ptr)
+
+        def unmap() -> None:  # after unpin: CUDA's registration is of the mapped pages
             if mapping is not None:
                 with contextlib.suppress(BufferError):  # a view alive: unmapped with it
                     mapping.close()
 
-        return release
+        return unpin, unmap
 
     def occupy(self, region: tuple[mmap.mmap, int], registered: Sequence[int],
                pinner: Pinner | None) -> None:

@@ -70,12 +70,15 @@ def pool_identity(fd: int) -> tuple[int, int]:
 
 
 class _Move:
-    """The slab's next pool being made ready: the old memory released (pins, then mapping),
-    the new pool mapped and pinned. :meth:`run` runs on a thread of its own when pinning (tens
-    of seconds for 64 GiB: never on the step path), inline otherwise (an mmap: microseconds)."""
+    """The slab's next pool being made ready: the old pool's pins undone, the new pool
+    mapped and pinned, the old one unmapped last (so the new mapping never reuses its
+    addresses: an address kept from the old pool can never silently name new bytes).
+    :meth:`run` runs on a thread of its own when pinning (tens of seconds for 64 GiB: never
+    on the step path), inline otherwise (an mmap: microseconds)."""
 
     def __init__(self, epoch: int, att: Attachment, layout: SlabLayout,
-                 release: Callable[[], None], pinner: Pinner | None, pin_step: int) -> None:
+                 release: tuple[Callable[[], None], Callable[[], None]],
+                 pinner: Pinner | None, pin_step: int) -> None:
         self.epoch, self.att, self.layout = epoch, att, layout
         self.release, self.pinner, self.pin_step = release, pinner, pin_step
         self.pool = pool_identity(att.pool_fd)
@@ -102,8 +105,9 @@ class _Move:
 
     def run(self) -> None:
         att = self.att
+        unpin, unmap = self.release
         try:
-            self.release()
+            unpin()
             if self.layout.total_bytes > att.arena_bytes:
                 raise PoolError(f"the store's arena holds {format_bytes(att.arena_bytes)}, "
                                 f"this worker's slab needs {format_bytes(self.layout.total_bytes)}")
@@ -121,6 +125,7 @@ class _Move:
                 self.mapping = None
         finally:
             os.close(att.pool_fd)
+            unmap()
 
     def discard(self) -> None:
         """Release what a finished move made (nobody took it)."""
