@@ -30,13 +30,19 @@ SETTINGS: dict[str, Any] = {"pin_step_size": PIN_STEP, "verify_checksums": False
 
 
 class AddressRuntime(HostRuntime):
-    """:class:`HostRuntime` that keeps every descriptor it copies: (dst, src, bytes)."""
+    """:class:`HostRuntime` that keeps every descriptor it copies: (dst, src, bytes). With
+    ``slab`` set, a batch with a descriptor that has no end in the slab's memory fails
+    before it copies (an address of a pool the slab left: a failed job, not a crash)."""
 
     def __init__(self) -> None:
         self.copied: list[tuple[int, int, int]] = []
+        self.slab: HostSlab | None = None
 
     def copy(self, desc: Any, stream: Any) -> None:
-        self.copied += [(int(d), int(s), int(n)) for d, s, n in zip(*desc)]
+        got = [(int(d), int(s), int(n)) for d, s, n in zip(*desc)]
+        self.copied += got
+        if self.slab is not None and not all(slab_end(self.slab, *c) for c in got):
+            raise RuntimeError("a copy outside the slab's memory")
         super().copy(desc, stream)
 
 
@@ -46,8 +52,10 @@ def gpu_tier(url: str, pinner: RecordingPinner, runtime: AddressRuntime,
         return CudaTransferEngine(mover, KvtierConfig(dram_size="1MiB"), mode="dma",
                                   runtime=runtime)
 
-    return StoreTier(url, seed=seed, pinner=pinner, engine_factory=engine, config=SETTINGS,
-                     retry_seconds=0.1, timeout=1.0)
+    t = StoreTier(url, seed=seed, pinner=pinner, engine_factory=engine, config=SETTINGS,
+                  retry_seconds=0.1, timeout=1.0)
+    runtime.slab = t.worker.slab  # the same object wherever its memory lies
+    return t
 
 
 def pool_range(t: StoreTier) -> tuple[int, int]:
