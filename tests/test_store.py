@@ -255,17 +255,3 @@ def test_the_connector_metrics_read_the_store_index(store: StoreProcess) -> None
         assert counts["evictions"] == 0 and counts["lookups"] == 1
     finally:
         a.close()
-
-
-def test_a_slab_moved_under_inference_mode_stays_writable(store: StoreProcess) -> None:
-    """vLLM runs the worker's hooks (where the slab follows a new epoch) under
-    torch.inference_mode; the copies then run outside it, on the transfer thread."""
-    a = StoreTier(store.url, seed=1)
-    try:
-        with torch.inference_mode():
-            assert a.mapping.follow(a.index.epoch, a.worker.drain)
-        a.worker.slab.view(0, 0).fill_(7)  # what a save does, outside inference mode
-        a.prefill("p", prompt(10))
-        assert a.sched.stats.saves_committed == 3 and a.sched.stats.saves_failed == 0
-    finally:
-        a.close()

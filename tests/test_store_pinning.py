@@ -18,10 +18,12 @@ from _store import StoreProcess, StoreTier
 from _tier import FULL_A, FULL_B, prompt
 from kvtier.config import KvtierConfig
 from kvtier.gpu.engine import CudaTransferEngine
+from kvtier.protocol import WorkerReport
 from kvtier.slab import HostSlab, pin_ranges
 from kvtier.testing.host_runtime import HostRuntime
 from kvtier.testing.pinning import RecordingPinner
 from kvtier.transfer import ChunkMover
+from kvtier.vllm.store_link import loads_wait_for_epoch, mapped_epoch
 
 PIN_STEP = 64 * 1024
 # the GPU engine's checksums run in Triton kernels (interpreted on CPU only in a process of
@@ -217,3 +219,36 @@ def test_plans_of_a_pool_not_yet_pinned_fail_their_jobs_and_never_touch_the_old_
         a.close()
         if b is not None:
             b.close()
+
+
+def test_where_loads_must_not_fail_no_hit_is_promised_until_every_worker_maps_the_epoch(
+        store: StoreProcess) -> None:
+    """vLLM 0.25.1 with several KV-cache groups stops the engine on a promised load that
+    fails (kvtier.vllm.failed_loads): there the scheduler half promises no store hit in an
+    epoch the workers have not reported mapping, so a restarted store's pinning window
+    costs hits, never the engine. The report is the least epoch over ranks."""
+    pinner, rt = RecordingPinner(), AddressRuntime()
+    a = gpu_tier(store.url, pinner, rt)
+    try:
+        assert loads_wait_for_epoch(a.index, None)  # before the first worker report
+        a.step()
+        assert mapped_epoch(a.mapping, a.worker.refusing) == a.index.epoch == 1
+        assert not loads_wait_for_epoch(a.index, 1)
+        restart(store, a)
+        pinner.gate.clear()  # the new pool's pinning takes long
+        a.step()
+        assert a.mapping.moving and a.worker.refusing is not None
+        assert mapped_epoch(a.mapping, a.worker.refusing) == -1
+        assert loads_wait_for_epoch(a.index, -1) and loads_wait_for_epoch(a.index, 1)
+        pinner.gate.set()
+        steps_until_moved(a, a.index.epoch)
+        assert mapped_epoch(a.mapping, a.worker.refusing) == a.index.epoch == 2
+        assert not loads_wait_for_epoch(a.index, 2)
+        assert not loads_wait_for_epoch(object(), None)  # no store: never waits
+        a.sched.check_drained()
+    finally:
+        a.close()
+    # two ranks' reports: the least epoch; a rank that reports none changes nothing
+    both = WorkerReport(store_epoch=2).add(WorkerReport(store_epoch=-1))
+    assert both.store_epoch == -1
+    assert WorkerReport().add(WorkerReport(store_epoch=2)).add(WorkerReport()).store_epoch == 2

@@ -132,6 +132,10 @@ class WorkerReport:
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
     jobs: list[tuple[str, int, float]] = field(default_factory=list)
     tiers: dict[str, TierReport] = field(default_factory=dict)  # per lower tier's name
+    # With a node-wide store: the store epoch whose pool every reporting rank's slab maps
+    # (the least over ranks and merged steps; -1: some rank maps none of the plan's pools
+    # yet); None: no store, or not reported.
+    store_epoch: int | None = None
 
     def add(self, other: WorkerReport) -> WorkerReport:
         for mine, theirs in ((self.saves, other.saves), (self.loads, other.loads),
@@ -152,6 +156,9 @@ class WorkerReport:
         self.jobs.extend(other.jobs)
         for name, rep in other.tiers.items():
             self.tiers.setdefault(name, TierReport()).add(rep)
+        if other.store_epoch is not None:
+            self.store_epoch = (other.store_epoch if self.store_epoch is None
+                                else min(self.store_epoch, other.store_epoch))
         return self
 
     def empty(self) -> bool:

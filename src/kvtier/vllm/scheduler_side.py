@@ -43,6 +43,7 @@ from kvtier.vllm.stats import stats_payload
 from kvtier.vllm.store_link import (
     close_index,
     engine_namespace,
+    loads_wait_for_epoch,
     stamp_plan,
     store_index_factory,
 )
@@ -72,6 +73,11 @@ class SchedulerSide:
         # (kvtier.vllm.hybrid_hits); None elsewhere
         self._block_pool: Any = None
         self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
+        # the store epoch the workers last reported they all map (store_link's
+        # loads_wait_for_epoch); None: no report yet
+        self._store_epoch_mapped: int | None = None
+        self.store_epoch_waits = 0  # lookups answered 0 while the workers caught up, ever
+        self._store_epoch_logged = -1
         # cache-aware admission (cache_aware_admission): None when off or kvtier is off
         self.admission: Admission | None = None
         if setup.config.cache_aware_admission and setup.groups is not None:
@@ -110,10 +116,28 @@ class SchedulerSide:
             return None, False  # asked again next step, at a hit every group holds
         if self._admission_defers(request, num_computed_tokens):
             return None, False  # it shares a chunk on its way into HBM, or does not fit
-        n, load = self._matched_tokens(request, num_computed_tokens)
+        if self._store_epoch_unconfirmed():
+            self.store_epoch_waits += 1
+            n, load = 0, False  # computed here, as a miss is; never a promise a worker refuses
+        else:
+            n, load = self._matched_tokens(request, num_computed_tokens)
         if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a local hit with its state
         return n, load
+
+    def _store_epoch_unconfirmed(self) -> bool:
+        """Whether a hit must not be promised yet because the workers may not map the store's
+        current pool (:func:`kvtier.vllm.store_link.loads_wait_for_epoch`)."""
+        sched = self.scheduler
+        if (sched is None or not self.setup.loads_must_not_fail
+                or not loads_wait_for_epoch(sched.index, self._store_epoch_mapped)):
+            return False
+        epoch = getattr(sched.index, "epoch", 0)
+        if epoch != self._store_epoch_logged:
+            self._store_epoch_logged = epoch
+            logger.info("kvtier: no store hit is promised until every worker maps the "
+                        "store's pool of epoch %d (a promised load must not fail here)", epoch)
+        return True
 
     def _admission_defers(self, request: Any, local_hit: int) -> bool:
         """Cache-aware admission (:mod:`kvtier.vllm.admission`), before kvtier's lookup."""
@@ -262,6 +286,8 @@ class SchedulerSide:
             return
         if self.scheduler is None and wm.geometries:
             self._start_scheduler(wm.geometries)
+        if wm.report.store_epoch is not None:
+            self._store_epoch_mapped = wm.report.store_epoch
         if self.scheduler is not None:
             if self.setup.loads_must_not_fail:
                 self._recover_failed_loads(wm)

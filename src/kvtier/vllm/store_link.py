@@ -54,6 +54,28 @@ def stamp_plan(index: object, plan: StepPlan) -> StepPlan:
     return plan
 
 
+def loads_wait_for_epoch(index: object, mapped: int | None) -> bool:
+    """Whether the scheduler half must promise no load from the store yet: its index is
+    attached in an epoch that the workers have not reported mapping (``mapped``: the least
+    epoch over ranks of their last report, -1 for a rank that maps none, None before any).
+
+    Only where a promised load must not fail (vLLM 0.25.1 with several KV-cache groups,
+    :mod:`kvtier.vllm.failed_loads`): there a load a worker refuses while it maps and pins a
+    restarted store's pool (:meth:`kvtier.store.attach.StoreMapping.follow`: tens of
+    seconds on a GPU) cannot be recomputed and stops the engine. Elsewhere a refused load is
+    a recompute, and waiting would cost the first step's hits at every start-up: a request
+    looked up before the first worker report (the engine's first step) is computed, as is
+    every request while a restarted store's pool is being pinned."""
+    return isinstance(index, StoreIndex) and index.up and index.epoch != mapped
+
+
+def mapped_epoch(mapping: StoreMapping, refusing: str | None) -> int:
+    """What a worker reports as the store epoch its slab maps (``WorkerReport.store_epoch``):
+    the epoch of the plans it follows, or -1 while it maps none of them (before its first
+    plan, while a new pool is mapped and pinned, or when the move failed: ``refusing``)."""
+    return mapping.epoch if refusing is None and mapping.epoch > 0 else -1
+
+
 def close_index(index: object) -> None:
     """End the store connection (the store releases what this engine still holds)."""
     if isinstance(index, StoreIndex):

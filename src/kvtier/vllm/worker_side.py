@@ -31,7 +31,7 @@ from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.ranks import engine_shared_slab
 from kvtier.vllm.setup import ConnectorSetup
 from kvtier.vllm.stats import add_observations, stats_payload
-from kvtier.vllm.store_link import worker_mapping
+from kvtier.vllm.store_link import mapped_epoch, worker_mapping
 from kvtier.worker import OffloadWorker, StepResult
 
 logger = get_logger("vllm.connector")
@@ -208,8 +208,11 @@ class WorkerSide:
         geoms = [self._geometry] if (self._geometry and not self._geometry_acked) else []
         retrying = find_engine(self.worker.engine, RetryingLoads)
         errors = retrying.take_errors() if retrying is not None else {}
-        meta = KvtierWorkerMetadata(report=self._result.report, geometries=geoms,
-                                    load_errors=errors)
+        report = self._result.report
+        mapping = self.store_mapping
+        if mapping is not None:  # the scheduler half's confirmation of a store epoch
+            report.store_epoch = mapped_epoch(mapping, self.worker.refusing)
+        meta = KvtierWorkerMetadata(report=report, geometries=geoms, load_errors=errors)
         self._result = StepResult()
         return meta
 
