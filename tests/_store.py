@@ -65,9 +65,11 @@ class StoreTier(Tier):
 
     def step(self, step: StepInput | None = None) -> StepResult:
         plan = self.sched.schedule_step(step or StepInput())
-        plan.store_epoch = self.index.epoch if self.index.up else 0
+        up = self.index.up  # the epoch and its pool, as the connector stamps them
+        plan.store_epoch, plan.store_pool = (self.index.epoch, self.index.pool) if up else (0, None)
         w = self.worker
-        ok = self.mapping.follow(plan.store_epoch, w.drain, w.engine.slab_moved)
+        ok = self.mapping.follow(plan.store_epoch, w.drain, w.engine.slab_moved,
+                                 plan.store_pool)
         assert ok or self.mapping.pinner is not None, self.mapping.why  # unpinned: at once
         w.refusing = None if ok else self.mapping.why  # as the connector's worker side does
         w.fence(plan)

@@ -140,3 +140,54 @@ def test_an_engine_started_before_its_store_serves_retries_and_logs(
     finally:
         a.close()
         store.stop()
+
+
+def test_a_store_restarted_twice_before_the_worker_follows_is_never_read_as_the_plans_pool(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler half attached to the store's second pool; before a plan of that epoch
+    reached the worker the store restarted again: the worker is handed a third pool, which
+    the plan does not name. The plan's jobs fail (its slots are the second pool's) and the
+    slab stays; once the scheduler half attaches to the third pool the worker moves there."""
+    store = StoreProcess(tmp_path).start()
+    a = StoreTier(store.url, seed=1, timeout=1.0, retry_seconds=0.1)
+    b = None
+    try:
+        a.prefill("p", prompt(1))
+        store.kill()
+        a.sched.add_request("probe")  # a lookup finds the store gone
+        assert a.sched.lookup("probe", prompt(99), 0) == 0
+        a.sched.request_finished("probe")
+        a.step()
+        store.start()
+        deadline = time.monotonic() + 10
+        while a.index.epoch == 1 and time.monotonic() < deadline:
+            time.sleep(0.15)
+            a.step()
+        assert a.index.epoch == 2 and a.mapping.epoch == 1  # no plan of epoch 2 ran yet
+        second = a.index.pool
+        store.kill()
+        store.start()  # the third pool; the scheduler half has not noticed
+        ok = a.mapping.follow(2, a.worker.drain, a.worker.engine.slab_moved, second)
+        assert not ok and "restarted again" in a.mapping.why
+        assert a.mapping.epoch == 1 and not a.mapping.moving  # the slab did not move
+        # the scheduler half finds its connection dead, attaches to the third pool (epoch
+        # 3), and the worker follows it
+        time.sleep(1.1)  # past the worker's retry interval (attach.RETRY_SECONDS)
+        deadline = time.monotonic() + 10
+        while a.index.epoch < 3 and time.monotonic() < deadline:
+            a.sched.add_request("probe3")
+            a.sched.lookup("probe3", prompt(98), 0)
+            a.sched.request_finished("probe3")
+            a.step()
+            time.sleep(0.15)
+        assert a.index.epoch == 3 and a.index.pool != second
+        a.prefill("t", prompt(4))
+        assert a.mapping.epoch == 3
+        b = StoreTier(store.url, seed=9)
+        _restore_equal(b, a, "t", prompt(4))
+        a.sched.check_drained()
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        store.stop()

@@ -99,6 +99,9 @@ class StepPlan:
     tiers: list[TierPlan] = field(default_factory=list)
     # the node-wide store's attach epoch its slots refer to (kvtier.store; 0: no store)
     store_epoch: int = 0
+    # and the identity of that epoch's pool (kvtier.store.pool.pool_identity; None: not
+    # known): a worker whose store restarted again meanwhile was handed another pool
+    store_pool: tuple[int, int] | None = None
     # nothing computes in this step: the workers' collect may wait a little for their jobs
     # and promotions in flight instead of returning at once (kvtier.worker.IDLE_WAIT_S) to an
     # engine loop that spins through empty steps, holding the GIL the copy threads need

@@ -22,7 +22,7 @@ from kvtier.config import format_bytes
 from kvtier.log import get_logger
 from kvtier.slab import HostSlab, Pinner, SlabLayout, pin_region
 from kvtier.store.client import Attachment, StoreClient, StoreDown, StoreRefused
-from kvtier.store.pool import PoolError, map_pool
+from kvtier.store.pool import PoolError, map_pool, pool_identity
 
 logger = get_logger("store")
 
@@ -60,13 +60,6 @@ def inside(slab: HostSlab, ptr: int, length: int) -> bool:
     """Whether ``[ptr, ptr+length)`` lies inside the slab's buffer (no staging copy)."""
     base = slab.buffer.data_ptr()
     return base <= ptr and ptr + length <= base + slab.buffer.numel()
-
-
-def pool_identity(fd: int) -> tuple[int, int]:
-    """The pool behind a descriptor: each store's memfd is a file of its own (a restarted
-    store's pool is another), so equal identities are the same pool's bytes."""
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
 
 
 class _Move:
@@ -209,18 +202,31 @@ class StoreMapping:
         return self._move is not None
 
     def follow(self, epoch: int, drain: Callable[[], object],
-               moved: Callable[[], object] = lambda: None) -> bool:
+               moved: Callable[[], object] = lambda: None,
+               pool: tuple[int, int] | None = None) -> bool:
         """Whether the plan of ``epoch`` may run its jobs on the slab (False: they must fail;
         :attr:`why` says why). Epoch 0 (the scheduler's index is down) runs on the pool
-        mapped (loads promised before the store went away read it), unless none is."""
+        mapped (loads promised before the store went away read it), unless none is.
+
+        ``pool``: the identity (:func:`~kvtier.store.pool.pool_identity`) of the pool the
+        plan's scheduler half attached to (``StepPlan.store_pool``; None: not checked). A
+        store that restarted again between the scheduler's attach and the worker's hands the
+        worker a pool the plan does not name: its jobs then fail (the plan's slots are of a
+        pool no longer there) and the slab does not move until a plan names the pool the
+        store hands over."""
         if self._slab is None:
             return True
         if self._move is not None and not self._finish(moved):
             return False
         if self._vacant:
             self.why = self.why or "the slab maps no pool"
-        elif epoch in (0, self.epoch):
+        elif epoch == 0:
             return True
+        elif epoch == self.epoch:
+            if pool is None or pool == self._pool:
+                return True
+            self.why = f"the plan's pool of epoch {epoch} is not the one this worker maps"
+            return False
         if epoch == 0:
             return False
         now = self._clock()
@@ -234,7 +240,14 @@ class StoreMapping:
             self.why = f"the store's pool of epoch {epoch} cannot be mapped ({e})"
             return False
         self.client.close()
-        if not self._vacant and pool_identity(att.pool_fd) == self._pool:
+        handed = pool_identity(att.pool_fd)
+        if pool is not None and handed != pool:
+            os.close(att.pool_fd)
+            self._retry_at = now + RETRY_SECONDS
+            self.why = (f"the store hands over another pool than the plan's of epoch {epoch} "
+                        f"(it restarted again)")
+            return False
+        if not self._vacant and handed == self._pool:
             os.close(att.pool_fd)  # the pool mapped is this epoch's (the first plan's, often)
             self.epoch = epoch
             return True

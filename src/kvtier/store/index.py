@@ -42,6 +42,7 @@ from kvtier.index.memory import GroupIndexSpec
 from kvtier.protocol import SaveDrop
 from kvtier.slab import SlabLayout
 from kvtier.store.client import Attachment, StoreClient, StoreDown, StoreRefused
+from kvtier.store.pool import pool_identity
 from kvtier.store.space import encode_geometry, encode_layout
 
 logger = logging.getLogger("kvtier.store")
@@ -105,6 +106,7 @@ class StoreIndex(Index):
         self.on_attach = on_attach  # (attachment, epoch): the new pool (descriptor is yours)
         self.epoch = 0
         self.attachment: Attachment | None = None
+        self.pool: tuple[int, int] | None = None  # pool_identity of the epoch's pool
         self._next_try = 0.0
         self._leased: dict[tuple[int, bytes], int] = {}
         self.outages = 0  # times the store was found absent or lost
@@ -139,6 +141,7 @@ class StoreIndex(Index):
             return False
         self.epoch += 1
         self.attachment = att
+        self.pool = pool_identity(att.pool_fd)  # what this epoch's plans name (StepPlan)
         self._leased.clear()
         self._deferred.clear()
         self._logged_down = False

@@ -95,3 +95,10 @@ class ArenaMap:
 
     def free_bytes(self) -> int:
         return self.pool_size - sum(_align_up(a.size) for a in self.arenas.values())
+
+
+def pool_identity(fd: int) -> tuple[int, int]:
+    """The pool behind a descriptor: each store's memfd is a file of its own (a restarted
+    store's pool is another), so equal identities are the same pool's bytes."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino

@@ -50,6 +50,7 @@ def store_index_factory(setup: ConnectorSetup, namespace: bytes, geometry: Geome
 def stamp_plan(index: object, plan: StepPlan) -> StepPlan:
     if isinstance(index, StoreIndex):
         plan.store_epoch = index.epoch if index.up else 0
+        plan.store_pool = index.pool if index.up else None
         index.poll()
     return plan
 

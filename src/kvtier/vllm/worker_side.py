@@ -163,7 +163,8 @@ class WorkerSide:
         if mapping is None or worker is None:
             return
         was = worker.refusing
-        ok = mapping.follow(plan.store_epoch, worker.drain, worker.engine.slab_moved)
+        ok = mapping.follow(plan.store_epoch, worker.drain, worker.engine.slab_moved,
+                            plan.store_pool)
         worker.refusing = None if ok else mapping.why
         if worker.refusing is not None and was is None:
             logger.warning("kvtier: %s; this worker fails its jobs (recompute) until it is",
