@@ -162,7 +162,11 @@ class StoreMapping:
     a failed load already means recompute and a failed save an aborted chunk, at any
     scheduler, under any number of ranks, with no new state in the protocol; an epoch
     acknowledgement would have the scheduler hold every rank's jobs until all ranks
-    answered, a handshake of its own for a window that only a store restart opens.
+    answered, a handshake of its own for a window that only a store restart opens. The one
+    exception is where a failed promised load stops the engine (vLLM 0.25.1 with several
+    KV-cache groups): there the scheduler half promises no store hit until every worker
+    reported the epoch mapped (:func:`kvtier.vllm.store_link.loads_wait_for_epoch`), and a
+    refusal can only meet saves, verifies and loads promised before the store went away.
     """
 
     def __init__(self, client: StoreClient, spec: dict[str, Any], pinner: Pinner | None = None,
