@@ -4,11 +4,14 @@ the store's pool), wired as tests/_tier.py wires the in-process tier."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from _small_kv import CHUNK_TOKENS, CONFIG, SmallKV
-from _tier import Tier
+from _tier import FULL_A, FULL_B, Tier, prompt
 from kvtier.geometry import Geometry
 from kvtier.index.memory import GroupIndexSpec
 from kvtier.scheduler import OffloadScheduler, StepInput
@@ -88,3 +91,34 @@ class StoreTier(Tier):
 
 
 __all__ = ["SRC", "StoreProcess", "StoreTier"]
+
+
+def restore_equal(engine: StoreTier, source: StoreTier, req: str, toks: list[int]) -> None:
+    """``engine`` restores ``toks`` (96 tokens stored by ``source``) into FULL_B, bit-equal to
+    ``source``'s FULL_A blocks, then finishes the request."""
+    n, res = engine.restore(req, toks)
+    assert n == 96 and not res.failed_loads
+    for i, blk in enumerate(FULL_B[:6]):
+        for x, y in zip(engine.kv.attn_block(blk), source.kv.attn_block(FULL_A[i])):
+            assert torch.equal(x, y)
+    engine.sched.request_finished(req)
+    engine.step()
+
+
+def restart(store: StoreProcess, t: StoreTier) -> None:
+    """Kill the store, let ``t`` notice, start it again (an empty pool) and let ``t``'s
+    scheduler half attach to it: the next plan names the new epoch."""
+    epoch = t.index.epoch
+    store.kill()
+    req = f"probe-{epoch}"  # a lookup finds the store gone (an idle step asks it nothing)
+    t.sched.add_request(req)
+    assert t.sched.lookup(req, prompt(99), 0) == 0
+    t.sched.request_finished(req)
+    t.step()
+    assert not t.index.up
+    store.start()
+    deadline = time.monotonic() + 10
+    while t.index.epoch == epoch and time.monotonic() < deadline:
+        time.sleep(0.1)
+        t.step()
+    assert t.index.up and t.index.epoch == epoch + 1

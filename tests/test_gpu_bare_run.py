@@ -6,7 +6,6 @@ the DeepGEMM header file set that travels beside the gpu-kit."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from _tools import load_tool
 from kvtier.testing.seed_models import SEED_MODELS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -26,11 +26,7 @@ RESULTS = ROOT / "bench" / "results" / "2026-12-01-bare-gpu-h200-vllm025"
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_bare_run", ROOT / "tools" / "gpu_bare_run.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gpu_bare_run")
 
 
 tool = _tool()

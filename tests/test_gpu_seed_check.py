@@ -4,23 +4,15 @@ H200 (bench/results/)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent
+from _tools import load_tool
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_seed_check",
-                                                  ROOT / "tools" / "gpu_seed_check.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_seed_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gpu_seed_check")
 
 
 def test_prompts_cover_three_chunks_and_a_shared_two_chunk_prefix() -> None:

@@ -6,7 +6,6 @@ and the HBM budgets hold what the workload needs (about two prefixes; every pref
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from _tools import load_tool
 from kvtier.testing.seed_models import SEED_MODELS
 
 get_config = pytest.importorskip("vllm.transformers_utils.config").get_config
@@ -33,11 +33,7 @@ SEEDS = {
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_shared_prefix", TOOL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gpu_shared_prefix")
 
 
 def _kwargs(tool: ModuleType, tmp: pathlib.Path, model: str, config: str) -> dict[str, Any]:

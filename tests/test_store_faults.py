@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from _store import SRC, StoreProcess, StoreTier
+from _store import SRC, StoreProcess, StoreTier, restart, restore_equal
 from _tier import FULL_A, FULL_B, STATE_B, prompt
 from kvtier.scheduler import NewRequest, StepInput
 from kvtier.store.client import StoreClient
@@ -60,16 +60,6 @@ def test_a_killed_engine_leaks_no_pin_lease_or_slot(tmp_path) -> None:  # type: 
         store.stop()
 
 
-def _restore_equal(engine: StoreTier, source: StoreTier, req: str, toks: list[int]) -> None:
-    n, res = engine.restore(req, toks)
-    assert n == 96 and not res.failed_loads
-    for i, blk in enumerate(FULL_B[:6]):
-        for x, y in zip(engine.kv.attn_block(blk), source.kv.attn_block(FULL_A[i])):
-            assert torch.equal(x, y)
-    engine.sched.request_finished(req)
-    engine.step()
-
-
 def test_a_killed_store_means_recompute_then_reattach(tmp_path) -> None:  # type: ignore[no-untyped-def]
     store = StoreProcess(tmp_path).start()
     a = StoreTier(store.url, seed=1, timeout=1.0)
@@ -107,7 +97,7 @@ def test_a_killed_store_means_recompute_then_reattach(tmp_path) -> None:  # type
         a.prefill("t", prompt(4))
         assert a.mapping.epoch == 2  # the worker moved to the new pool
         b = StoreTier(store.url, seed=9)
-        _restore_equal(b, a, "t", prompt(4))
+        restore_equal(b, a, "t", prompt(4))
         a.sched.check_drained()
     finally:
         a.close()
@@ -134,7 +124,7 @@ def test_an_engine_started_before_its_store_serves_retries_and_logs(
         assert a.sched.stats.saves_committed > 0
         b = StoreTier(store.url, seed=8)
         try:
-            _restore_equal(b, a, "q", prompt(6))
+            restore_equal(b, a, "q", prompt(6))
         finally:
             b.close()
     finally:
@@ -153,16 +143,7 @@ def test_a_store_restarted_twice_before_the_worker_follows_is_never_read_as_the_
     b = None
     try:
         a.prefill("p", prompt(1))
-        store.kill()
-        a.sched.add_request("probe")  # a lookup finds the store gone
-        assert a.sched.lookup("probe", prompt(99), 0) == 0
-        a.sched.request_finished("probe")
-        a.step()
-        store.start()
-        deadline = time.monotonic() + 10
-        while a.index.epoch == 1 and time.monotonic() < deadline:
-            time.sleep(0.15)
-            a.step()
+        restart(store, a)
         assert a.index.epoch == 2 and a.mapping.epoch == 1  # no plan of epoch 2 ran yet
         second = a.index.pool
         store.kill()
@@ -184,7 +165,7 @@ def test_a_store_restarted_twice_before_the_worker_follows_is_never_read_as_the_
         a.prefill("t", prompt(4))
         assert a.mapping.epoch == 3
         b = StoreTier(store.url, seed=9)
-        _restore_equal(b, a, "t", prompt(4))
+        restore_equal(b, a, "t", prompt(4))
         a.sched.check_drained()
     finally:
         a.close()

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from _store import StoreProcess, StoreTier
-from _tier import FULL_A, FULL_B, prompt
+from _store import StoreProcess, StoreTier, restart, restore_equal
+from _tier import prompt
 from kvtier.config import KvtierConfig
 from kvtier.gpu.engine import CudaTransferEngine
 from kvtier.protocol import WorkerReport
@@ -79,35 +79,6 @@ def assert_pinned_inside_pool(t: StoreTier, pinner: RecordingPinner) -> None:
     lo, hi = pool_range(t)
     assert all(lo <= p and p + n <= hi for p, n in pinner.pinned.items())
     assert t.worker.slab.registered == sorted(want)
-
-
-def restore_equal(engine: StoreTier, source: StoreTier, req: str, toks: list[int]) -> None:
-    n, res = engine.restore(req, toks)
-    assert n == 96 and not res.failed_loads
-    for i, blk in enumerate(FULL_B[:6]):
-        for x, y in zip(engine.kv.attn_block(blk), source.kv.attn_block(FULL_A[i])):
-            assert torch.equal(x, y)
-    engine.sched.request_finished(req)
-    engine.step()
-
-
-def restart(store: StoreProcess, t: StoreTier) -> None:
-    """Kill the store, let ``t`` notice, start it again (an empty pool) and let ``t``'s
-    scheduler half attach to it: the next plan names the new epoch."""
-    epoch = t.index.epoch
-    store.kill()
-    req = f"probe-{epoch}"  # a lookup finds the store gone (an idle step asks it nothing)
-    t.sched.add_request(req)
-    assert t.sched.lookup(req, prompt(99), 0) == 0
-    t.sched.request_finished(req)
-    t.step()
-    assert not t.index.up
-    store.start()
-    deadline = time.monotonic() + 10
-    while t.index.epoch == epoch and time.monotonic() < deadline:
-        time.sleep(0.1)
-        t.step()
-    assert t.index.up and t.index.epoch == epoch + 1
 
 
 def steps_until_moved(t: StoreTier, epoch: int, seconds: float = 10.0) -> None:

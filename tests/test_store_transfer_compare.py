@@ -5,24 +5,17 @@ bench/results/2026-12-02-gpu-h200-session9/."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _tools import load_tool
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("store_transfer_compare",
-                                                  ROOT / "tools" / "store_transfer_compare.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["store_transfer_compare"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("store_transfer_compare")
 
 
 def _run(pool: str, dma_save: float, kernel_save: float) -> dict[str, Any]:

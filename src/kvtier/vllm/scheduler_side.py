@@ -76,7 +76,6 @@ class SchedulerSide:
         # the store epoch the workers last reported they all map (store_link's
         # loads_wait_for_epoch); None: no report yet
         self._store_epoch_mapped: int | None = None
-        self.store_epoch_waits = 0  # lookups answered 0 while the workers caught up, ever
         self._store_epoch_logged = -1
         # cache-aware admission (cache_aware_admission): None when off or kvtier is off
         self.admission: Admission | None = None
@@ -117,7 +116,6 @@ class SchedulerSide:
         if self._admission_defers(request, num_computed_tokens):
             return None, False  # it shares a chunk on its way into HBM, or does not fit
         if self._store_epoch_unconfirmed():
-            self.store_epoch_waits += 1
             n, load = 0, False  # computed here, as a miss is; never a promise a worker refuses
         else:
             n, load = self._matched_tokens(request, num_computed_tokens)
