@@ -10,7 +10,9 @@
 # 0.7x native and throughput >= native (CONCURRENCY=2 for the other half of that target).
 # Both servers share the GPU (GPU_UTIL each) and the host (DRAM_GIB each, pinned).
 # Needs the entry point: python3 -m pip install -q --no-deps --no-build-isolation .
-# Everything lands in $OUT/agent-c$CONCURRENCY/. DRY=1 checks both servers' arguments with
+# CONFIGS names the servers, in order (default "native kvtier"); "kvtier-admission" is kvtier with
+# cache-aware admission on, for the issue's admission off/on report. Everything lands in
+# $OUT/agent-c$CONCURRENCY/. DRY=1 checks both servers' arguments with
 # `kvtier serve --dry-run` (vLLM's own parser; runs on a CPU box: PY=.venv/bin/python SITE=
 # DRAM_GIB=4, as the dry run also checks dram_size against this machine's memory) and stops.
 set -u -o pipefail
@@ -31,7 +33,17 @@ COMMON="$MODEL --load-format dummy --skip-tokenizer-init --dtype bfloat16 --bloc
 --num-gpu-blocks-override 2600 --max-model-len 20480 --gpu-memory-utilization $GPU_UTIL"
 NATIVE="--no-kvtier $COMMON --kv-offloading-size $DRAM_GIB"
 KVTIER="$COMMON --dram-size ${DRAM_GIB}GiB"
-for cfg in "$NATIVE" "$KVTIER"; do
+ADMISSION="$KVTIER --kvtier-set cache_aware_admission=true"
+COMPARE=()
+for name in ${CONFIGS:-native kvtier}; do
+    case $name in
+        native) COMPARE+=(--compare "native=$NATIVE") ;;
+        kvtier) COMPARE+=(--compare "kvtier=$KVTIER") ;;
+        kvtier-admission) COMPARE+=(--compare "kvtier-admission=$ADMISSION") ;;
+        *) echo "unknown config $name (native, kvtier, kvtier-admission)"; exit 2 ;;
+    esac
+done
+for cfg in "$NATIVE" "$KVTIER" "$ADMISSION"; do
     # shellcheck disable=SC2086
     "$PY" -m kvtier.cli serve $cfg --dry-run > "$W/dry-run.txt" 2>&1
     rc=$?; echo "dry-run rc=$rc: $(tail -1 "$W/dry-run.txt" | head -c 300)"
@@ -41,6 +53,6 @@ done
 timeout "${TIMEOUT:-570}" "$PY" -m kvtier.cli bench serving --workload agent-sessions \
     --sessions 16 --turns 6 --first-len 8192 --tool-len 1024 --message-len 256 --osl 64 \
     --concurrency "$CONCURRENCY" --requests "$REQUESTS" --rounds "$ROUNDS" --server-timeout 300 \
-    --compare native="$NATIVE" --compare kvtier="$KVTIER" --out "$W" 2>&1 | tee "$W/log" \
+    "${COMPARE[@]}" --out "$W" 2>&1 | tee "$W/log" \
     | grep -v "^\s*$" | tail -60
 echo "exit ${PIPESTATUS[0]}"
