@@ -12,7 +12,7 @@
 # Needs the entry point: python3 -m pip install -q --no-deps --no-build-isolation .
 # CONFIGS names the servers, in order (default "native kvtier"); "kvtier-admission" is kvtier with
 # cache-aware admission on, for the issue's admission off/on report. Everything lands in
-# $OUT/agent-c$CONCURRENCY/. DRY=1 checks both servers' arguments with
+# $OUT/agent-c$CONCURRENCY/. DRY=1 checks the chosen servers' arguments with
 # `kvtier serve --dry-run` (vLLM's own parser; runs on a CPU box: PY=.venv/bin/python SITE=
 # DRAM_GIB=4, as the dry run also checks dram_size against this machine's memory) and stops.
 set -u -o pipefail
@@ -37,17 +37,16 @@ ADMISSION="$KVTIER --kvtier-set cache_aware_admission=true"
 COMPARE=()
 for name in ${CONFIGS:-native kvtier}; do
     case $name in
-        native) COMPARE+=(--compare "native=$NATIVE") ;;
-        kvtier) COMPARE+=(--compare "kvtier=$KVTIER") ;;
-        kvtier-admission) COMPARE+=(--compare "kvtier-admission=$ADMISSION") ;;
+        native) cfg=$NATIVE ;;
+        kvtier) cfg=$KVTIER ;;
+        kvtier-admission) cfg=$ADMISSION ;;
         *) echo "unknown config $name (native, kvtier, kvtier-admission)"; exit 2 ;;
     esac
-done
-for cfg in "$NATIVE" "$KVTIER" "$ADMISSION"; do
     # shellcheck disable=SC2086
-    "$PY" -m kvtier.cli serve $cfg --dry-run > "$W/dry-run.txt" 2>&1
-    rc=$?; echo "dry-run rc=$rc: $(tail -1 "$W/dry-run.txt" | head -c 300)"
+    "$PY" -m kvtier.cli serve $cfg --dry-run > "$W/dry-run-$name.txt" 2>&1
+    rc=$?; echo "dry-run $name rc=$rc: $(tail -1 "$W/dry-run-$name.txt" | head -c 300)"
     [ $rc -eq 0 ] || exit $rc
+    COMPARE+=(--compare "$name=$cfg")
 done
 [ -n "${DRY:-}" ] && exit 0
 timeout "${TIMEOUT:-570}" "$PY" -m kvtier.cli bench serving --workload agent-sessions \
