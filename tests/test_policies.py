@@ -12,6 +12,7 @@ from kvtier.index.base import Entry
 from kvtier.index.memory import GroupIndexSpec, MemoryIndex
 from kvtier.policy import POLICIES, SecondSight, make_admission, make_policy
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.slru import SLRUPolicy
 from kvtier.slab import SlotAllocator
 
 
@@ -73,9 +74,10 @@ def test_a_child_is_placed_just_older_than_its_parent(name: str) -> None:
     assert [p.victim(always) for _ in range(4)] == ["grandchild", "child", "root", "other"]
 
 
-@pytest.mark.parametrize("name,survives", [("lru", False), ("slru", True), ("s3fifo", True)])
+@pytest.mark.parametrize("name,survives", [("lru", False), ("s3fifo", True)])
 def test_one_pass_scan_of_twice_the_capacity(name: str, survives: bool) -> None:
-    """A hot set hit a few times, then a one-pass scan of 2x capacity of new keys."""
+    """A hot set hit a few times, then a one-pass scan of 2x capacity of new keys. (SLRU's
+    answer depends on the hot set's rhythm: the two tests below.)"""
     cap = 100
     p = make_policy(name, cap)
     hot = [f"hot{i}" for i in range(20)]
@@ -93,6 +95,44 @@ def test_one_pass_scan_of_twice_the_capacity(name: str, survives: bool) -> None:
         assert kept == len(hot), f"{name} lost {len(hot) - kept} hot keys to a scan"
     else:
         assert kept == 0, f"{name} unexpectedly kept {kept} hot keys"
+
+
+@pytest.mark.parametrize("name,survives", [("lru", False), ("slru", True), ("s3fifo", True)])
+def test_a_hot_set_in_use_through_a_long_scan(name: str, survives: bool) -> None:
+    """A system prompt among one-off prompts: 20 hot keys used after every 90 new keys, 4x
+    the capacity of new keys in all. LRU loses it (90 + 20 > 100); SLRU keeps it (it is
+    never idle for twice its interval)."""
+    cap = 100
+    p = make_policy(name, cap)
+    hot = [f"hot{i}" for i in range(20)]
+    fill_with_eviction(p, hot)
+    for r in range(5):
+        _passes(p, hot, 1)
+        fill_with_eviction(p, [f"scan{r}-{i}" for i in range(90)])
+    kept = sum(k in p for k in hot)
+    assert (kept == len(hot)) == survives, f"{name} kept {kept} of {len(hot)}"
+
+
+def test_slru_takes_a_hot_set_idle_past_twice_its_interval_for_dead_until_it_returns() -> None:
+    """The same burst of new keys is a one-pass scan or a new working set; SLRU tells them
+    apart by the protected keys' history. A hot set used after every 60 new keys and then
+    idle for 200 is taken for dead and goes before the burst (as the old sessions must when
+    a new set of agent sessions starts, the H200 agent run's round 2). Once it returns, it
+    keeps the interval it returned after as a floor: the next such burst leaves it whole."""
+    cap = 100
+    p = make_policy("slru", cap)
+    hot = [f"hot{i}" for i in range(20)]
+    fill_with_eviction(p, hot)
+    for r in range(3):
+        fill_with_eviction(p, [f"warm{r}-{i}" for i in range(60)])
+        assert _passes(p, hot, 1) == [20]
+    fill_with_eviction(p, [f"scan0-{i}" for i in range(2 * cap)])
+    assert sum(k in p for k in hot) == 0
+    assert _passes(p, hot, 2) == [0, 20]
+    for r in range(1, 3):
+        fill_with_eviction(p, [f"scan{r}-{i}" for i in range(2 * cap)])
+        assert sum(k in p for k in hot) == len(hot), r
+        assert _passes(p, hot, 1) == [20]
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -125,13 +165,15 @@ def test_a_new_working_set_reused_beyond_probation_is_kept_after_a_shift(name: s
 
 def test_a_one_pass_scan_leaves_only_ghosts_and_ghosts_are_bounded() -> None:
     """SLRU's ghost keeps keys, never capacity: a long scan fills it to ``capacity`` keys and
-    the hot set stays protected."""
+    the hot set, used after every 8 new keys (LRU would lose it: 5 + 8 > 10), stays
+    protected."""
     p = make_policy("slru", 10)
-    fill_with_eviction(p, [f"hot{i}" for i in range(5)])
-    for i in range(5):
-        p.touch(f"hot{i}")
-    fill_with_eviction(p, [f"scan{i}" for i in range(100)])
-    assert all(f"hot{i}" in p for i in range(5)) and len(p) == 10
+    hot = [f"hot{i}" for i in range(5)]
+    fill_with_eviction(p, hot)
+    for r in range(13):
+        _passes(p, hot, 1)
+        fill_with_eviction(p, [f"scan{r}-{i}" for i in range(8)])
+    assert all(k in p for k in hot) and len(p) == 10
     assert len(p._ghost) == 10  # type: ignore[attr-defined]
 
 
@@ -307,15 +349,44 @@ def test_slru_protected_grows_back_when_demoted_keys_return() -> None:
     assert kept[-2:] == [20, 20], kept
 
 
-def test_agent_session_replay_restores_as_much_as_lru_after_the_first_round() -> None:
+def test_agent_session_replay_restores_as_much_as_lru_in_every_round() -> None:
     """tools/policy_replay.py at a small scale (8 sessions, 1,024-token starts, 32-token
-    chunks, a pool of about one round): every round after the second restores as much as
-    LRU, and the first two no less than the old SLRU did."""
+    chunks, a pool of about one round): SLRU restores as much as LRU in every round,
+    the first shift included (before the expiry of idle protected keys round 2 restored
+    17% less: the new sessions' chunks fell out of probation before their first reuse)."""
     replay = load_tool("policy_replay").replay
     shape = dict(rounds=4, requests=48, sessions=8, first_len=1024, tool_len=128,
                  message_len=32, output_len=8, chunk_tokens=32)
     lru = replay("lru", 512, **shape)
     slru = replay("slru", 512, **shape)
     assert lru[0] > 0.95 and all(abs(s - lru[0]) < 1e-9 for s in lru)
-    assert slru[0] == lru[0] and slru[2:] == lru[2:], (slru, lru)
-    assert slru[1] > 0.8
+    assert slru == lru, (slru, lru)
+
+
+def test_slru_bookkeeping_stays_bounded_by_what_it_lists() -> None:
+    """Per-key use records exist only for listed keys, the expiry heap's stale entries are
+    dropped, and the expired keys' memory is bounded like the ghost: 20,000 random
+    operations on a pool of 50."""
+    import random
+
+    rng = random.Random(7)
+    p = make_policy("slru", 50)
+    assert isinstance(p, SLRUPolicy)
+    for step in range(20_000):
+        key = rng.randrange(400)
+        op = rng.random()
+        if op < 0.5:
+            if key not in p:
+                if len(p) >= p.capacity:
+                    assert p.victim(always) is not None
+                p.insert(key)
+        elif op < 0.9:
+            p.touch(key)
+        else:
+            p.remove(key)
+        if step % 500 == 0:
+            protected, probation = set(p._protected._next), set(p._probation._next)
+            assert set(p._last_use) <= protected and set(p._interval) <= protected
+            assert set(p._born) <= probation and set(p._expired_last_use) <= probation
+            assert len(p._expiries) <= 4 * len(p._protected) + 64 + 1
+            assert len(p._expired_ghost) <= p.ghost_capacity
