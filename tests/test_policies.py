@@ -390,3 +390,15 @@ def test_slru_bookkeeping_stays_bounded_by_what_it_lists() -> None:
             assert set(p._born) <= probation and set(p._expired_last_use) <= probation
             assert len(p._expiries) <= 4 * len(p._protected) + 64 + 1
             assert len(p._expired_ghost) <= p.ghost_capacity
+
+
+def test_a_prefix_loop_larger_than_the_pool_keeps_slru_ahead_of_lru() -> None:
+    """tools/policy_replay.py's prefix loop at a small scale (8 prefixes of 20 chunks, 4
+    one-off chunks per request, 4 passes; the loop needs 192 slots, the pool has 170): the
+    expiry of idle protected keys must not turn SLRU into LRU here, where every prefix keeps
+    its rhythm (LRU 10%, SLRU 47.5%, S3-FIFO 93%)."""
+    loop = load_tool("policy_replay").replay_prefix_loop
+    shape = dict(prefixes=8, prefix_chunks=20, suffix_chunks=4, chunk_tokens=16)
+    lru, slru = loop("lru", 170, **shape), loop("slru", 170, **shape)
+    assert lru < 0.2 and slru > lru + 0.3, (lru, slru)
+    assert loop("slru", 192, **shape) == 1.0
