@@ -8,7 +8,8 @@
 # prompts), default engine settings (CUDA graphs on). The targets: first-
 # seen TTFT p50 <= 1.03x native from at least 5 pairs; with it, repeated-prefix TTFT p50 <=
 # 0.7x native and throughput >= native (CONCURRENCY=2 for the other half of that target).
-# Both servers share the GPU (GPU_UTIL each) and the host (DRAM_GIB each, pinned).
+# Both servers share the GPU (GPU_UTIL each, a fixed KV cache) and the host (DRAM_GIB each,
+# pinned), and start together.
 # Needs the entry point: python3 -m pip install -q --no-deps --no-build-isolation .
 # CONFIGS names the servers, in order (default "native kvtier"); "kvtier-admission" is kvtier with
 # cache-aware admission on, for the issue's admission off/on report. Everything lands in
@@ -29,8 +30,11 @@ mkdir -p "$W"
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:$PWD/src
 MODEL=$("$PY" -c "from kvtier.bench.offline_engine import model_dir; print(model_dir('llama8b', '/tmp'))")
 # 8,192 + 5 x (1,024 + 256 + 64) + 1,024 + 256 + 64 tokens at the sixth turn: 16,256 < 20,480
+# --kv-cache-memory-bytes: exactly 2,600 blocks of the Llama-8B shape (16 tokens x 128 KiB);
+# it skips vLLM's memory profiling, so the servers can start together (--start-together)
 COMMON="$MODEL --load-format dummy --skip-tokenizer-init --dtype bfloat16 --block-size 16 \
---num-gpu-blocks-override 2600 --max-model-len 20480 --gpu-memory-utilization $GPU_UTIL"
+--num-gpu-blocks-override 2600 --kv-cache-memory-bytes 5452595200 --max-model-len 20480 \
+--gpu-memory-utilization $GPU_UTIL"
 NATIVE="--no-kvtier $COMMON --kv-offloading-size $DRAM_GIB"
 KVTIER="$COMMON --dram-size ${DRAM_GIB}GiB"
 ADMISSION="$KVTIER --kvtier-set cache_aware_admission=true"
@@ -51,7 +55,7 @@ done
 [ -n "${DRY:-}" ] && exit 0
 timeout "${TIMEOUT:-570}" "$PY" -m kvtier.cli bench serving --workload agent-sessions \
     --sessions 16 --turns 6 --first-len 8192 --tool-len 1024 --message-len 256 --osl 64 \
-    --concurrency "$CONCURRENCY" --requests "$REQUESTS" --rounds "$ROUNDS" --server-timeout 300 \
+    --concurrency "$CONCURRENCY" --requests "$REQUESTS" --rounds "$ROUNDS" --server-timeout 300 --start-together \
     "${COMPARE[@]}" --out "$W" 2>&1 | tee "$W/log" \
     | grep -v "^\s*$" | tail -60
 echo "exit ${PIPESTATUS[0]}"

@@ -181,6 +181,57 @@ def test_bench_compare_starts_each_server_in_turn(monkeypatch: pytest.MonkeyPatc
                                        "server-kvtier.log", "table.txt"]
 
 
+def test_bench_rounds_start_servers_together_and_write_each_finished_round(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--rounds 3 --start-together: both servers are launched before the bench waits for
+    either (on distinct ports), and table.txt / results.json hold every finished round
+    before the next starts (a run cut short by a timeout keeps them)."""
+    from kvtier.bench import serving
+
+    events: list[str] = []
+
+    def fake_launch(sa: serve.ServeArgs, log: Any = None, env: Any = None
+                    ) -> subprocess.Popen[bytes]:
+        events.append("launch")
+        port = int(serve.flag_value(sa.vllm_args, "--port") or 0)
+        return _fake_server(port, sa.kvtier, log)
+
+    real_wait, real_measure = serve.wait_ready, serving._measure
+    seen_before_round: dict[int, tuple[str, int]] = {}
+
+    def wait_ready(*a: Any, **kw: Any) -> float:
+        events.append("wait")
+        return real_wait(*a, **kw)
+
+    def measure(cfg: Any, url: str, waited: float, args: Any, round_: int) -> Any:
+        if round_ not in seen_before_round and round_ > 0:
+            with open(os.path.join(out, "table.txt")) as f:
+                table_text = f.read()
+            with open(os.path.join(out, "results.json")) as f:
+                seen_before_round[round_] = (table_text, len(json.load(f)["runs"]))
+        return real_measure(cfg, url, waited, args, round_)
+
+    monkeypatch.setattr(serve, "launch", fake_launch)
+    monkeypatch.setattr(serve, "wait_ready", wait_ready)
+    monkeypatch.setattr(serving, "_measure", measure)
+    out = os.path.join(tmp_path, "rounds")
+    rc = main(["bench", "--prefixes", "2", "--prefix-len", "128", "--suffix-len", "16",
+               "--output-len", "2", "--requests", "4", "--concurrency", "1", "--no-progress",
+               "--no-plot", "--rounds", "3", "--start-together", "--out", out,
+               "--compare", "HBM-only=m --no-kvtier --dtype float32",
+               "--compare", "kvtier=m --dram-size 1GiB"])
+    assert rc == 0
+    assert events == ["launch", "launch", "wait", "wait"]
+    assert "round 1 of 3" in seen_before_round[1][0] and seen_before_round[1][1] == 2
+    assert "round 2 of 3" in seen_before_round[2][0] and seen_before_round[2][1] == 4
+    assert "round 3 of 3" not in seen_before_round[2][0]
+    with open(os.path.join(out, "results.json")) as f:
+        assert len(json.load(f)["runs"]) == 6
+    text = capsys.readouterr().out
+    assert text.count("round 1 of 3") == 2  # once after round 1, once in the final report
+
+
 def test_command_line_and_connector_import_without_the_remote_extra() -> None:
     """``redis`` is the ``remote`` extra's: without it, every subcommand's parser builds (the
     GPU image lacked it, and ``kvtier bench transfer`` failed at ``build_parser``), the

@@ -19,9 +19,10 @@ import json
 import os
 import shlex
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -65,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "round); prints each round and every ratio's median and range over the "
                    "rounds (default %(default)s: one run each, each server stopped before "
                    "the next starts)")
+    t.add_argument("--start-together", action="store_true",
+                   help="with --rounds: launch every server before waiting for any (saves a "
+                   "server start per configuration after the first). Only where each "
+                   "server's GPU memory is fixed (vLLM's --kv-cache-memory-bytes): vLLM's "
+                   "memory profiling counts what another process allocates meanwhile as its "
+                   "own")
     t.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds to wait for a --compare server to start (default %(default)s)")
 
@@ -265,12 +272,17 @@ def prepare_compare(items: list[str]) -> list[Config]:
     from kvtier.vllm import serve
 
     out = []
+    ports: set[int] = set()  # servers may run at once (--rounds): never the same port twice
     for name, argv in parse_compare(items):
         try:
             sa = serve.parse(argv)
             own_port = serve.flag_value(sa.vllm_args, "--port") is not None
             if not own_port:
-                sa.vllm_args += ["--port", str(free_port())]
+                port = free_port()
+                while port in ports:
+                    port = free_port()
+                ports.add(port)
+                sa.vllm_args += ["--port", str(port)]
             if serve.flag_value(sa.vllm_args, "--host") is None:
                 sa.vllm_args += ["--host", "127.0.0.1"]
             serve.preflight(sa, serve.vllm_command(sa), check_port=own_port)
@@ -280,26 +292,61 @@ def prepare_compare(items: list[str]) -> list[Config]:
     return out
 
 
-def run_compare(args: argparse.Namespace, configs: list[Config], out_dir: str) -> list[Run]:
+def run_compare(args: argparse.Namespace, configs: list[Config], out_dir: str,
+                on_round: Callable[[list[Run]], None] | None = None) -> list[Run]:
     """One round: start each configuration's server, run the workload, stop it, in order.
-    ``args.rounds`` > 1: start every server, then run the rounds in alternation (each
-    configuration once per round, on the round's seed), then stop them all."""
+    ``args.rounds`` > 1: start every server (one after the other, or with
+    ``args.start_together`` all at once), then run the rounds in alternation (each
+    configuration once per round, on the round's seed), then stop them all. ``on_round``
+    gets the runs so far after every round but the last, so that a run cut short keeps the
+    finished rounds."""
     if args.rounds <= 1:
         runs = []
         for cfg in configs:
-            with _serving(cfg, out_dir, args.server_timeout) as (url, waited):
-                runs.append(_measure(cfg, url, waited, args, 0))
+            with _launched(cfg, out_dir) as server:
+                runs.append(_measure(cfg, *server.wait(args.server_timeout), args, 0))
         return runs
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(_serving(cfg, out_dir, args.server_timeout))
-                   for cfg in configs]
-        return [_measure(cfg, url, waited, args, r) for r in range(args.rounds)
-                for cfg, (url, waited) in zip(configs, servers)]
+        if args.start_together:
+            launched = [stack.enter_context(_launched(cfg, out_dir)) for cfg in configs]
+            servers = [s.wait(args.server_timeout) for s in launched]
+        else:
+            servers = [stack.enter_context(_launched(cfg, out_dir)).wait(args.server_timeout)
+                       for cfg in configs]
+        runs = []
+        for r in range(args.rounds):
+            runs += [_measure(cfg, url, waited, args, r)
+                     for cfg, (url, waited) in zip(configs, servers)]
+            if on_round is not None and r + 1 < args.rounds:
+                on_round(runs)
+        return runs
+
+
+@dataclass
+class _Server:
+    """A launched ``--compare`` server, not yet known to be ready."""
+
+    cfg: Config
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    started: float
+
+    def wait(self, timeout: float) -> tuple[str, float]:
+        """Block until it answers; returns (its URL, seconds since its launch)."""
+        from kvtier.vllm import serve
+
+        serve.wait_ready(self.url, self.proc, timeout - (time.monotonic() - self.started),
+                         self.log_path)
+        waited = time.monotonic() - self.started
+        print(f"[{self.cfg.name}] ready after {waited:.0f} s at {self.url}", file=sys.stderr,
+              flush=True)
+        return self.url, waited
 
 
 @contextlib.contextmanager
-def _serving(cfg: Config, out_dir: str, timeout: float) -> Iterator[tuple[str, float]]:
-    """A running server of ``cfg``: (its URL, seconds it took to get ready); stopped after."""
+def _launched(cfg: Config, out_dir: str) -> Iterator[_Server]:
+    """``cfg``'s server, launched (its log in ``out_dir``); stopped after."""
     from kvtier.vllm import serve
 
     url = serve.base_url(cfg.serve_args.vllm_args)
@@ -307,12 +354,10 @@ def _serving(cfg: Config, out_dir: str, timeout: float) -> Iterator[tuple[str, f
     print(f"[{cfg.name}] starting: kvtier serve {shlex.join(cfg.argv)}", file=sys.stderr,
           flush=True)
     with open(log_path, "wb") as log:
+        started = time.monotonic()
         proc = serve.launch(cfg.serve_args, log)
         try:
-            waited = serve.wait_ready(url, proc, timeout, log_path)
-            print(f"[{cfg.name}] ready after {waited:.0f} s at {url}", file=sys.stderr,
-                  flush=True)
-            yield url, waited
+            yield _Server(cfg, url, proc, log_path, started)
         finally:
             serve.stop(proc)
 
@@ -338,20 +383,33 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
 
 
-def report(runs: list[Run], out_dir: str, args: argparse.Namespace) -> str:
-    """Print and write the table, the ratio lines, results.json and results.png."""
+def report(runs: list[Run], out_dir: str, args: argparse.Namespace,
+           partial: bool = False) -> str:
+    """Print and write the table, the ratio lines, results.json and results.png.
+    ``partial``: the rounds finished so far, written as they stand; only the newest round's
+    table is printed."""
     rounds = _by_round(runs)
-    if len(rounds) == 1:
+    if len(rounds) == 1 and not partial:
         summaries = [r.summary for r in runs]
         text = "\n".join([table(summaries), *ratio_lines(summaries)])
     else:
-        parts = []
+        parts: list[str] = []
         for i, rnd in enumerate(rounds):
             summaries = [r.summary for r in rnd]
-            parts += [f"round {i + 1} of {len(rounds)} (seed {rnd[0].info.get('seed')})",
+            last_round = len(parts)
+            parts += [f"round {i + 1} of {args.rounds} (seed {rnd[0].info.get('seed')})",
                       table(summaries), *ratio_lines(summaries), ""]
-        parts += round_ratio_lines([[r.summary for r in rnd] for rnd in rounds])
+        if len(rounds) > 1:
+            parts += round_ratio_lines([[r.summary for r in rnd] for rnd in rounds])
         text = "\n".join(parts)
+        if partial:
+            print("\n".join(parts[last_round:]), flush=True)
+            with open(os.path.join(out_dir, "table.txt"), "w") as f:
+                f.write(text + "\n")
+            write_json(os.path.join(out_dir, "results.json"), metadata(),
+                       [r.to_json() for r in runs])
+            print(f"results so far: {out_dir}/ (results.json, table.txt)", file=sys.stderr)
+            return text
     print(text, flush=True)
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write(text + "\n")
@@ -390,7 +448,8 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(out_dir, exist_ok=True)
     try:
         if configs:
-            runs = run_compare(args, configs, out_dir)
+            runs = run_compare(args, configs, out_dir,
+                               lambda so_far: report(so_far, out_dir, args, partial=True))
         else:
             runs = [asyncio.run(run_one(args.name, args.url.rstrip("/"), args))]
     except (RuntimeError, OSError, aiohttp.ClientError) as e:
