@@ -18,7 +18,7 @@ from _background import Background
 HERE = Path(__file__).resolve().parent
 # Each file and the fewest tests it must run (a collection that silently shrinks fails).
 FILES = {"test_gpu_kernels.py": 40, "test_gpu_checksum_kernels.py": 20,
-         "test_gpu_verify.py": 21}
+         "test_gpu_verify.py": 31}
 
 
 @pytest.fixture(scope="module")

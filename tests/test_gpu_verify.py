@@ -310,3 +310,52 @@ def test_one_kernel_stream_is_the_previous_engine() -> None:
     with pytest.raises(ValueError, match="kernel_streams must be at least 1"):
         CudaTransferEngine(mover, CONFIG, kernel_streams=0, runtime=HostRuntime())
     mover.slab.close()
+
+
+@pytest.mark.parametrize("mode,verify,launches", [("kernel", True, 2), ("kernel", False, 2),
+                                                  ("dma", True, 2), ("dma", False, 0)])
+def test_warm_up_launches_each_variant_and_moves_nothing(mode: str, verify: bool,
+                                                         launches: int) -> None:
+    """The start-up warm-up: one launch per direction and kernel stream of exactly the
+    variants the engine's batches launch (a DMA batch without checksums launches none);
+    the cache, the staging buffer and the slab are byte for byte as before; a save and a
+    load after it are exact; and it refuses to run once jobs exist."""
+    fam, mover, eng, b = _engine(mode, verify=verify)
+    storages = group_storages(fam.layout.groups[0])
+    for i, t in enumerate(storages):
+        t.view(torch.uint8).copy_(torch.randint(0, 256, (t.view(torch.uint8).numel(),),
+                                                dtype=torch.uint8,
+                                                generator=torch.Generator().manual_seed(i)))
+    eng.stage.copy_(torch.randint(0, 256, (eng.stage.numel(),), dtype=torch.uint8))
+    slab = mover.slab.buffer
+    slab.copy_(torch.randint(0, 256, (slab.numel(),), dtype=torch.uint8))
+    before = ([t.clone() for t in storages], eng.stage.clone(), slab.clone())
+    kinds: list[bool] = []
+    real_launch = kernels.TileTable.launch
+
+    def launch(self: Any, *a: Any, **kw: Any) -> None:
+        kinds.append(kw.get("sums") is not None)
+        real_launch(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels.TileTable, "launch", launch)
+        assert eng.warm_up() == launches
+    assert len(kinds) == launches and all(k == verify for k in kinds)
+    assert all(torch.equal(t, o) for t, o in zip(storages, before[0]))
+    assert torch.equal(eng.stage, before[1]) and torch.equal(slab, before[2])
+    src, dst = list(range(b)), list(range(b, 2 * b))
+    eng.save(Job(1, "a", [TransferOp(0, 2, src, seed=9)]))
+    assert drain(eng, {1})[1].ok
+    with pytest.raises(RuntimeError, match="warm_up after jobs"):
+        eng.save(Job(2, "b", [TransferOp(0, 1, src, seed=9)]))
+        eng.warm_up()
+    drain(eng, {2})
+    eng.tick()
+    eng.load(Job(3, "r", [TransferOp(0, 2, dst, seed=9)]))
+    assert drain(eng, {3})[3].ok
+    eng.save(Job(4, "c", [TransferOp(0, 3, dst, seed=9)]))  # the restored blocks, saved again
+    assert drain(eng, {4})[4].ok
+    cls = mover.slot_class[0]
+    assert torch.equal(mover.slab.view(cls, 3), mover.slab.view(cls, 2))
+    eng.close()
+    mover.slab.close()

@@ -11,6 +11,7 @@ acknowledged it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,12 @@ def transfer_engine_factory(setup: ConnectorSetup, device_is_cuda: bool
     config = setup.config
 
     def make(mover: ChunkMover) -> TransferEngine:
-        return CudaTransferEngine(mover, config, mode=config.transfer_path)
+        engine = CudaTransferEngine(mover, config, mode=config.transfer_path)
+        t0 = time.perf_counter()
+        launches = engine.warm_up()  # the first request must not pay the kernels' first use
+        logger.info("kvtier transfer engine: paths %s, %d warm-up launches in %.2f s",
+                    engine.paths(), launches, time.perf_counter() - t0)
+        return engine
 
     return make
 
