@@ -51,6 +51,11 @@ KEEP_METRICS = ("vllm:kvtier_", "vllm:prompt_tokens", "vllm:prefix_cache",
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_target_arguments(p)
+    _add_workload_arguments(p)
+
+
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
     t.add_argument("--url", default="http://localhost:8000",
                    help="base URL of an OpenAI-compatible server (default %(default)s)")
@@ -75,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds to wait for a --compare server to start (default %(default)s)")
 
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (docs/design.md §4)")
     w.add_argument("--workload", choices=["shared-prefix", "agent-sessions", "no-reuse",
                                           "trace"], default="shared-prefix")
