@@ -210,6 +210,14 @@ class KvtierConfig(BaseModel):
         description="GPU transfers: batched DMA, a Triton gather into staging, or auto (per "
         "KV-cache group by piece size, as measured on an H200).",
     )
+    # Off by default until measured on the H200 against the per-layer registration.
+    cross_layer_blocks: bool = Field(
+        default=False,
+        description="Ask vLLM (0.25.1) for one KV-cache tensor of all layers, a block's bytes "
+        "of every layer together (as its native offloading does), where the model has one "
+        "KV-cache group of plain attention, no EAGLE/MTP drafts and an unquantized cache: a "
+        "chunk then moves as whole blocks by DMA. Elsewhere, and on vLLM without it, ignored.",
+    )
     pin_step_size: PositiveByteSize = Field(
         default=2**30, description="Host memory is pinned with CUDA in steps of this size."
     )

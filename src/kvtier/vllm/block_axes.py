@@ -13,8 +13,8 @@ silently. This module asks vLLM instead, per layer of kvtier's groups:
   *logical* order of ``get_kv_cache_shape``, and its block axis is where a sentinel block count
   lands in that shape: the probe of vLLM's ``AttentionBackend.get_kv_cache_block_dim``, done
   with two sentinels so that a token-major ``(nb * bs, ...)`` shape is found too. (The stride
-  order maps it to a *physical* position, which only a tensor kept in physical order needs,
-  such as the cross-layer tensor of ``register_cross_layers_kv_cache``; kvtier registers none.)
+  order maps it to a *physical* position, which only a tensor kept in physical order needs:
+  the cross-layer tensor of ``register_cross_layers_kv_cache``, :func:`cross_layer_block_axis`.)
   A layer whose backend cannot be probed falls back to the allocation's page size (how vLLM's
   OffloadingConnector addresses blocks), only where it cannot be a coincidence: the one
   dimension that steps ``page_size_bytes`` per manager block must also be the only one whose
@@ -106,6 +106,33 @@ def _block_axis(name: str, kv: torch.Tensor | Sequence[torch.Tensor], spec: Any,
             f"(shape {tuple(kv.shape)}, strides {tuple(kv.stride())}, "
             f"num_blocks {num_blocks})")
     return axis
+
+
+def cross_layer_block_axis(kv: torch.Tensor, backend: Any, spec: Any, cache_dtype: str,
+                           num_blocks: int) -> int:
+    """The block axis of 0.25.1's cross-layer tensor (``allocate_uniform_kv_caches``): the
+    backend's ``get_kv_cache_shape`` with a layer axis in front, in the physical order of
+    ``get_kv_cache_stride_order(include_num_layers_dimension=True)`` (identity where the
+    backend has none). Raises :class:`BlockAxisUnknown` where the tensor does not match."""
+    try:
+        axis, rank = probe_block_dim(backend, spec, cache_dtype)
+    except (ValueError, TypeError, AssertionError, NotImplementedError) as e:
+        raise BlockAxisUnknown(f"the cross-layer KV cache: {getattr(backend, '__name__', backend)}"
+                               f".get_kv_cache_shape could not be probed ({e})") from None
+    try:
+        order = tuple(backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+    except (AttributeError, NotImplementedError, TypeError):
+        order = tuple(range(rank + 1))
+    if sorted(order) != list(range(rank + 1)) or kv.dim() != rank + 1:
+        raise BlockAxisUnknown(f"the cross-layer KV cache {tuple(kv.shape)}: its backend's "
+                               f"stride order {order} does not fit a {rank}-dim shape plus "
+                               "the layer axis")
+    physical = order.index(axis + 1)
+    if kv.shape[physical] % num_blocks:
+        raise BlockAxisUnknown(f"the cross-layer KV cache {tuple(kv.shape)}: dimension "
+                               f"{physical} (the blocks, by the backend) is not a multiple of "
+                               f"{num_blocks} blocks")
+    return physical
 
 
 def probe_block_dim(backend: Any, spec: Any, cache_dtype: str) -> tuple[int, int]:

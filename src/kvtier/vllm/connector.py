@@ -123,6 +123,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:  # vLLM 0.25.1 asks; 0.32 has no such path
+        return self.worker_side.prefers_cross_layer_blocks()
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        self.worker_side.register_cross_layers_kv_cache(kv_cache, attn_backend)
+
     def handle_preemptions(self, kv_connector_metadata: Any = None, **kwargs: Any) -> None:
         self.worker_side.handle_preemptions(kv_connector_metadata)
 

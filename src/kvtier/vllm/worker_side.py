@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvtier.geometry import Geometry, resolve_chunk_tokens
-from kvtier.layout import build_layout
+from kvtier.layout import GroupKind, Layout, LayoutError, build_layout
 from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
 from kvtier.protocol import StepPlan
@@ -26,7 +27,7 @@ from kvtier.slab import Pinner
 from kvtier.store.attach import StoreMapping
 from kvtier.transfer import ChunkMover, TransferEngine, find_engine
 from kvtier.vllm import compat, startup
-from kvtier.vllm.block_axes import registered_block_axes
+from kvtier.vllm.block_axes import cross_layer_block_axis, registered_block_axes
 from kvtier.vllm.counters import worker_counts, worker_observations
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.vllm.ranks import engine_shared_slab
@@ -36,6 +37,8 @@ from kvtier.vllm.store_link import mapped_epoch, worker_mapping
 from kvtier.worker import OffloadWorker, StepResult
 
 logger = get_logger("vllm.connector")
+
+CROSS_LAYERS = "kvtier.cross_layers"  # the name of the one tensor of every layer
 
 EngineFactory = Callable[[ChunkMover], TransferEngine]
 
@@ -95,12 +98,54 @@ class WorkerSide:
                 kv_caches, setup.groups.specs, int(self._kv_cache_config.num_blocks),
                 kv_cache_dtype=setup.kv_cache_dtype, layers=layers, block_axes=block_axes,
             )
+        self._start(layout, any(isinstance(t, torch.Tensor) and t.is_cuda
+                                for t in kv_caches.values()))
+
+    def prefers_cross_layer_blocks(self) -> bool:
+        """Whether to ask vLLM for one tensor of every layer (``cross_layer_blocks``): only
+        for one group of plain attention with nothing kept per layer beside the bytes (no
+        quantization scales, no draft layers), where the group's block is just the bytes."""
+        s = self.setup
+        return bool(s.config.cross_layer_blocks and s.disabled_reason is None
+                    and s.groups is not None and len(s.groups.specs) == 1
+                    and s.groups.specs[0].kind is GroupKind.FULL
+                    and s.draft_lookahead == 0 and s.kv_cache_dtype == "auto")
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        """vLLM 0.25.1's one tensor of every layer (in place of :meth:`register_kv_caches`,
+        after :meth:`prefers_cross_layer_blocks`): one segment, a block's bytes of all layers
+        in memory order (their format in the slab; the layout's fingerprint says so)."""
+        setup = self.setup
+        if setup.disabled_reason or setup.groups is None:
+            return
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        group = setup.groups.specs[0]
+        spec = self._kv_cache_config.kv_cache_groups[setup.groups.engine_ids[0]].kv_cache_spec
+        with startup.failures(todo=startup.LAYOUT_TODO):
+            axis = cross_layer_block_axis(kv_cache, attn_backend, spec, setup.kv_cache_dtype,
+                                          num_blocks)
+            layout = build_layout(
+                {CROSS_LAYERS: kv_cache}, [replace(group, layer_names=(CROSS_LAYERS,))],
+                num_blocks, kv_cache_dtype=setup.kv_cache_dtype,
+                block_axes={CROSS_LAYERS: axis},
+                extra_fingerprint={"cross_layers": list(group.layer_names)},
+            )
+            page = getattr(spec, "page_size_bytes", None)
+            got = layout.group(0).bytes_per_block
+            if page is not None and got != len(group.layer_names) * int(page):
+                raise LayoutError(
+                    f"the cross-layer KV cache {tuple(kv_cache.shape)} holds {got} bytes per "
+                    f"block, not the {len(group.layer_names)} layers x {int(page)} bytes of "
+                    "its KV-cache group")
+        self._start(layout, kv_cache.is_cuda)
+
+    def _start(self, layout: Layout, device_is_cuda: bool) -> None:
+        """The worker over ``layout``: its chunk size, slab, transfer engine."""
+        setup = self.setup
         with startup.failures():
             chunk = resolve_chunk_tokens(setup.config.chunk_tokens,
                                          [g.spec.block_size for g in layout.groups])
         rank = compat.rank()
-        device_is_cuda = any(
-            isinstance(t, torch.Tensor) and t.is_cuda for t in kv_caches.values())
         factory = self._engine_factory(device_is_cuda)
         if setup.loads_must_not_fail:  # no report path once promised: re-issue first
             factory = retrying_factory(factory)
