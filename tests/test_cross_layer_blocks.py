@@ -138,3 +138,16 @@ def test_a_tensor_that_does_not_fit_its_group_refuses_to_start(cut: str, says: s
     line = str(e.value)
     assert "cross-layer KV cache" in line and says in line and "\n" not in line, line
     assert c.worker_side.worker is None
+
+
+def test_the_layout_asked_of_vllm() -> None:
+    """``kv_cache_layout``: vLLM's own choice by default (None), HND or NHD when set; a
+    setting that does not parse asks for nothing here (the connector's start-up refuses it
+    with its one line)."""
+    from kvtier.vllm.connector import KvtierConnector
+
+    for extra, want in (({}, None), ({"kv_cache_layout": "HND"}, "HND"),
+                        ({"kv_cache_layout": "NHD"}, "NHD"),
+                        ({"kv_cache_layout": "HDN"}, None)):
+        cfg, _ = _configs("recompute", extra)
+        assert KvtierConnector.get_required_kvcache_layout(cfg) == want, extra

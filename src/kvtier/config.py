@@ -218,6 +218,12 @@ class KvtierConfig(BaseModel):
         "KV-cache group of plain attention, no EAGLE/MTP drafts and an unquantized cache: a "
         "chunk then moves as whole blocks by DMA. Elsewhere, and on vLLM without it, ignored.",
     )
+    kv_cache_layout: Literal["engine", "NHD", "HND"] = Field(
+        default="engine",
+        description="The KV-cache layout the connector asks vLLM for (0.25.1's "
+        "get_required_kvcache_layout): engine = vLLM's own choice (NHD); HND is what vLLM's "
+        "native offloading asks for. kvtier moves either as opaque bytes.",
+    )
     pin_step_size: PositiveByteSize = Field(
         default=2**30, description="Host memory is pinned with CUDA in steps of this size."
     )

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvtier.config import KvtierConfig
 from kvtier.vllm import compat
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.setup import set_up
@@ -190,4 +191,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None  # any layout: bytes move as opaque segments
+        """Any layout moves as opaque segments; ``kv_cache_layout`` may still ask for one.
+        Called before the connector exists: a setting that does not parse here is left to
+        the connector's start-up, which refuses it with its one-line message."""
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+        try:
+            layout = KvtierConfig.load(extra).kv_cache_layout
+        except ValueError:
+            return None
+        return None if layout == "engine" else layout
