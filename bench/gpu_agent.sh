@@ -12,7 +12,9 @@
 # pinned), and start together.
 # Needs the entry point: python3 -m pip install -q --no-deps --no-build-isolation .
 # CONFIGS names the servers, in order (default "native kvtier"); "kvtier-admission" is kvtier with
-# cache-aware admission on, for the issue's admission off/on report. Everything lands in
+# cache-aware admission on, for the issue's admission off/on report; "kvtier-xl" registers one
+# KV tensor of every layer (cross_layer_blocks), "kvtier-hnd" / "kvtier-xl-hnd" ask for native's
+# HND layout. Everything lands in
 # $OUT/agent-c$CONCURRENCY/. DRY=1 checks the chosen servers' arguments with
 # `kvtier serve --dry-run` (vLLM's own parser; runs on a CPU box: PY=.venv/bin/python SITE=
 # DRAM_GIB=4, as the dry run also checks dram_size against this machine's memory) and stops.
@@ -44,7 +46,11 @@ for name in ${CONFIGS:-native kvtier}; do
         native) cfg=$NATIVE ;;
         kvtier) cfg=$KVTIER ;;
         kvtier-admission) cfg=$ADMISSION ;;
-        *) echo "unknown config $name (native, kvtier, kvtier-admission)"; exit 2 ;;
+        # one KV tensor of every layer (whole-block DMA), in vLLM's layout or in native's
+        kvtier-xl) cfg="$KVTIER --kvtier-set cross_layer_blocks=true" ;;
+        kvtier-xl-hnd) cfg="$KVTIER --kvtier-set cross_layer_blocks=true --kvtier-set kv_cache_layout=HND" ;;
+        kvtier-hnd) cfg="$KVTIER --kvtier-set kv_cache_layout=HND" ;;
+        *) echo "unknown config $name (native, kvtier, kvtier-admission, kvtier-xl, kvtier-xl-hnd, kvtier-hnd)"; exit 2 ;;
     esac
     # shellcheck disable=SC2086
     "$PY" -m kvtier.cli serve $cfg --dry-run > "$W/dry-run-$name.txt" 2>&1
