@@ -373,7 +373,7 @@ def test_slru_bookkeeping_stays_bounded_by_what_it_lists() -> None:
     p = make_policy("slru", 50)
     assert isinstance(p, SLRUPolicy)
     for step in range(20_000):
-        key = rng.randrange(400)
+        key = rng.randrange(400) if step % 3 else rng.randrange(60)  # a hot set too
         op = rng.random()
         if op < 0.5:
             if key not in p:
@@ -384,7 +384,7 @@ def test_slru_bookkeeping_stays_bounded_by_what_it_lists() -> None:
             p.touch(key)
         else:
             p.remove(key)
-        if step % 500 == 0:
+        if step % 50 == 0:
             protected, probation = set(p._protected._next), set(p._probation._next)
             assert set(p._last_use) <= protected and set(p._interval) <= protected
             assert set(p._born) <= probation and set(p._expired_last_use) <= probation
@@ -402,3 +402,22 @@ def test_a_prefix_loop_larger_than_the_pool_keeps_slru_ahead_of_lru() -> None:
     lru, slru = loop("lru", 170, **shape), loop("slru", 170, **shape)
     assert lru < 0.2 and slru > lru + 0.3, (lru, slru)
     assert loop("slru", 192, **shape) == 1.0
+
+
+def test_an_expired_key_hit_before_it_goes_is_protected_again_from_its_last_use() -> None:
+    """Two protected keys expire at one victim call; the first goes, the second is hit
+    while it waits at probation's front: it is protected again, its interval the gap since
+    its last use, and nothing remembers it as expired."""
+    p = make_policy("slru", 20)
+    assert isinstance(p, SLRUPolicy)
+    for k in ("a", "b", "x1", "x2", "x3"):
+        p.insert(k)
+    p.touch("a")
+    p.touch("b")  # last use at clock 5; intervals 4 and 3: deadlines 13 and 11
+    for i in range(10):
+        p.insert(f"y{i}")  # clock 15, no eviction (15 of 20)
+    assert p.victim(always) == "a"  # both expired; a, moved to the front last, went first
+    assert "b" in p._probation and "b" in p._expired_last_use  # type: ignore[attr-defined]
+    p.touch("b")
+    assert "b" in p._protected and "b" not in p._expired_last_use  # type: ignore[attr-defined]
+    assert p._interval["b"] == 10  # type: ignore[attr-defined]

@@ -111,7 +111,9 @@ class SLRUPolicy(EvictionPolicy):
         elif key in self._probation:
             self._probation.remove(key)
             self._demoted.discard(key)
-            self._protect(key, since=self._born.pop(key, None))
+            expired_use = self._expired_last_use.pop(key, None)  # hit before it went
+            born = self._born.pop(key, None)
+            self._protect(key, since=expired_use if expired_use is not None else born)
 
     def _protect(self, key: Hashable, since: int | None) -> None:
         self._protected.push_back(key)
