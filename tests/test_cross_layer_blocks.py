@@ -123,6 +123,31 @@ def test_one_segment_of_every_layer_and_an_exact_round_trip(layout: str) -> None
         conn.shutdown()
 
 
+def test_a_per_layer_registration_under_the_setting_says_why(kvtier_caplog: Any) -> None:
+    """vLLM may register one tensor per layer although ``cross_layer_blocks`` is set (0.25.1's
+    V2 model runner never allocates the cross-layer tensor; a model that does not qualify is
+    never offered it): kvtier serves per layer and says why in one warning; without the
+    setting it says nothing."""
+    spec = _configs("recompute", {})[1].kv_cache_groups[0].kv_cache_spec
+    for extra, fp8, says in (({"cross_layer_blocks": True}, False, "V1 model runner"),
+                             ({"cross_layer_blocks": True}, True, "does not qualify"),
+                             ({}, False, None)):
+        kvtier_caplog.clear()
+        c, kvc = _connector(extra)
+        if fp8:
+            object.__setattr__(c.worker_side.setup, "kv_cache_dtype", "fp8")
+        shape = (kvc.num_blocks, 2, BLOCK_SIZE, spec.num_kv_heads, spec.head_size)
+        c.register_kv_caches({name: torch.zeros(shape) for name in LAYERS})
+        assert c.worker_side.worker is not None  # serves per layer
+        warned = [r.getMessage() for r in kvtier_caplog.records
+                  if "cross_layer_blocks" in r.getMessage()]
+        if says is None:
+            assert not warned, warned
+        else:
+            assert len(warned) == 1 and says in warned[0], warned
+        c.shutdown()
+
+
 @pytest.mark.parametrize("cut,says", [("blocks", "not a multiple of"),
                                        ("layers", "bytes per block")])
 def test_a_tensor_that_does_not_fit_its_group_refuses_to_start(cut: str, says: str) -> None:

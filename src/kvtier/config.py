@@ -216,7 +216,9 @@ class KvtierConfig(BaseModel):
         description="Ask vLLM (0.25.1) for one KV-cache tensor of all layers, a block's bytes "
         "of every layer together (as its native offloading does), where the model has one "
         "KV-cache group of plain attention, no EAGLE/MTP drafts and an unquantized cache: a "
-        "chunk then moves as whole blocks by DMA. Elsewhere, and on vLLM without it, ignored.",
+        "chunk then moves as whole blocks by DMA. vLLM 0.25.1 allocates it only in its V1 model "
+        "runner (VLLM_USE_V2_MODEL_RUNNER=0); elsewhere kvtier warns once and moves per-layer "
+        "blocks.",
     )
     kv_cache_layout: Literal["engine", "NHD", "HND"] = Field(
         default="engine",

@@ -100,6 +100,22 @@ class WorkerSide:
             )
         self._start(layout, any(isinstance(t, torch.Tensor) and t.is_cuda
                                 for t in kv_caches.values()))
+        if setup.config.cross_layer_blocks:
+            logger.warning("kvtier: cross_layer_blocks is set, but %s; blocks move per layer",
+                           self._why_per_layer())
+
+    def _why_per_layer(self) -> str:
+        """Why vLLM registered one tensor per layer although ``cross_layer_blocks`` is set."""
+        if not self.prefers_cross_layer_blocks():
+            return ("this model does not qualify (it needs one KV-cache group of plain "
+                    "attention, no EAGLE/MTP drafts and an unquantized cache)")
+        # 0.25.1 allocates the one tensor only in its V1 model runner (use_uniform_kv_cache,
+        # for one attention group whose backend indexes KV by the block stride); its V2 model
+        # runner, the default for most models on CUDA, has no such allocation (H200
+        # session 13: the Llama-8B shape on FLASH_ATTN got 32 tensors, native offloading too)
+        return ("vLLM registered one tensor per layer: vLLM 0.25.1 allocates one tensor of "
+                "every layer only in its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) and "
+                "for an attention backend that indexes KV by the block stride")
 
     def prefers_cross_layer_blocks(self) -> bool:
         """Whether to ask vLLM for one tensor of every layer (``cross_layer_blocks``): only
