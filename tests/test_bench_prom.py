@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtier.bench import scrape
@@ -12,7 +14,7 @@ from kvtier.planner import Decline
 from kvtier.protocol import WorkerReport
 from kvtier.vllm.counters import HISTOGRAMS, METRICS, worker_observations
 from kvtier.vllm.prom import KvtierPromMetrics
-from kvtier.vllm.stats import MAX_OBSERVATIONS, KvtierStats, add_observations
+from kvtier.vllm.stats import MAX_OBSERVATIONS, KvtierStats, add_observations, stats_payload
 from kvtier.vllm.timings import SchedulerTimings
 
 LABELS = {"engine": "0", "model_name": "m"}
@@ -233,3 +235,51 @@ def test_disk_tier_jobs_are_observed_in_the_transfer_histograms_with_tier_disk(
         assert _v(s, "vllm:kvtier_transfer_size_bytes_sum", **disk) == 3 * file_bytes(8192)
         assert _v(s, "vllm:kvtier_transfer_time_seconds_count", direction=direction,
                   tier="dram") == 0
+
+
+_KEYS = ["lookups", "hits", "gauge_slab_used", "gauge_disk_used", "bytes_loaded"]
+
+
+@given(st.dictionaries(st.sampled_from(_KEYS), st.integers(0, 5)),
+       st.dictionaries(st.sampled_from(_KEYS), st.integers(0, 5)))
+def test_a_payload_is_the_changed_counters_deltas_and_every_gauge(
+        now: dict[str, int], before: dict[str, int]) -> None:
+    """stats_payload (one pass, run every engine step) against its definition: counter deltas
+    since ``before``, unchanged counters left out, every gauge level as it is now."""
+    want = {k: v - before.get(k, 0) for k, v in now.items()
+            if not k.startswith("gauge_") and v != before.get(k, 0)}
+    want.update({k: v for k, v in now.items() if k.startswith("gauge_")})
+    assert stats_payload(now, before) == want
+
+
+def test_a_step_where_no_counter_moved_sends_no_scheduler_stats() -> None:
+    """Most decode steps change nothing kvtier counts: the scheduler side then returns no
+    payload at all (a gauge-only one is dropped by vLLM: KvtierStats.is_empty), and the next
+    change still arrives as its delta since the last payload sent. Through vLLM's real
+    scheduler (the harness), after two requests ran."""
+    import random
+
+    from tests.harness.cases import _base
+    from tests.harness.compat import quiet
+    from tests.harness.driver import Driver
+    from tests.harness.workload import FaultPlan, ReqSpec
+
+    rng = random.Random(0)
+    reqs = [ReqSpec(key=f"r{i}", req_id=f"r{i}", max_tokens=40, arrival=0,
+                    prompt=[rng.randrange(1, 1000) for _ in range(96)]) for i in range(2)]
+    with quiet():
+        drv = Driver(_base(0, reqs, FaultPlan()))
+        drv.run()
+    try:
+        side = drv.sched.connector.scheduler_side
+        assert side.scheduler is not None
+        side.stats()  # whatever the run left unreported
+        assert side.stats() == {}  # nothing moved since
+        assert drv.sched.connector.get_kv_connector_stats() is None
+        side.scheduler.stats.fences += 3
+        delta = side.stats()
+        assert delta["fences"] == 3, delta
+        assert any(k.startswith("gauge_") for k in delta)  # levels ride along with a change
+        assert side.stats() == {}
+    finally:
+        drv.close()

@@ -355,6 +355,10 @@ class SchedulerSide:
     def stats(self) -> dict[str, Any]:
         """Counter deltas since the last call, and the gauges (:mod:`kvtier.vllm.counters`)."""
         counts = scheduler_counts(self.scheduler) if self.scheduler is not None else {}
+        if counts == self._last_counts:
+            # nothing moved (most decode steps): the payload would hold gauges alone, which
+            # vLLM drops (KvtierStats.is_empty), so skip building it; this runs every step
+            return {}
         before, self._last_counts = self._last_counts, counts
         return stats_payload(counts, before)
 

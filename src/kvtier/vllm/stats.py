@@ -7,6 +7,7 @@ with ``obs_`` are lists of observations for the histograms and are concatenated.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ class KvtierStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KvtierStats:
         for k, v in (other.data or {}).items():
-            if k.startswith(GAUGE):
+            if is_gauge(k):
                 self.data[k] = v
             elif isinstance(v, list):
                 self.data[k] = [*self.data.get(k, []), *v]
@@ -52,7 +53,7 @@ class KvtierStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(v for k, v in self.data.items() if not k.startswith(GAUGE))
+        return not any(v for k, v in self.data.items() if not is_gauge(k))
 
 
 def add_observations(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
@@ -69,10 +70,24 @@ def counter_deltas(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
+@functools.lru_cache(maxsize=4096)
+def is_gauge(key: str) -> bool:
+    """A level (kept newest), not a counter (summed). Memoized: the keys are the metric
+    table's, and a collection runs every engine step."""
+    return key.startswith(GAUGE)
+
+
 def stats_payload(counts: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """What one stats collection sends: counter deltas since ``before`` (unchanged ones left
-    out) and every ``gauge_`` level."""
-    delta = counter_deltas({k: v for k, v in counts.items() if not k.startswith(GAUGE)},
-                           {k: v for k, v in before.items() if not k.startswith(GAUGE)})
-    delta.update({k: v for k, v in counts.items() if k.startswith(GAUGE)})
+    out) and every ``gauge_`` level. One pass: it runs every engine step."""
+    delta: dict[str, Any] = {}
+    gauges: dict[str, Any] = {}
+    for k, v in counts.items():
+        if is_gauge(k):
+            gauges[k] = v
+        else:
+            was = before.get(k, 0)
+            if v != was:
+                delta[k] = v - was
+    delta.update(gauges)
     return delta
