@@ -123,15 +123,21 @@ def test_one_segment_of_every_layer_and_an_exact_round_trip(layout: str) -> None
         conn.shutdown()
 
 
-def test_a_per_layer_registration_under_the_setting_says_why(kvtier_caplog: Any) -> None:
+def test_a_per_layer_registration_under_the_setting_says_why(
+        kvtier_caplog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM may register one tensor per layer although ``cross_layer_blocks`` is set (0.25.1's
     V2 model runner never allocates the cross-layer tensor; a model that does not qualify is
-    never offered it): kvtier serves per layer and says why in one warning; without the
-    setting it says nothing."""
+    never offered it; 0.32, the build here, has no such path): kvtier serves per layer and
+    says why in one warning; without the setting it says nothing."""
+    from kvtier.vllm import compat
+
     spec = _configs("recompute", {})[1].kv_cache_groups[0].kv_cache_spec
-    for extra, fp8, says in (({"cross_layer_blocks": True}, False, "V1 model runner"),
-                             ({"cross_layer_blocks": True}, True, "does not qualify"),
-                             ({}, False, None)):
+    for extra, fp8, has_path, says in (
+            ({"cross_layer_blocks": True}, False, True, "V1 model runner"),
+            ({"cross_layer_blocks": True}, True, True, "does not qualify"),
+            ({"cross_layer_blocks": True}, False, False, "no cross-layer registration"),
+            ({}, False, True, None)):
+        monkeypatch.setattr(compat, "HAS_CROSS_LAYER_REGISTRATION", has_path)
         kvtier_caplog.clear()
         c, kvc = _connector(extra)
         if fp8:

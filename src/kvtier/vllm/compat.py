@@ -34,6 +34,15 @@ except ImportError:  # vLLM 0.25.1: no tiers in its stats
     _TIER_SOURCES, _UNNAMED_SOURCE = {}, None
 
 
+try:  # vLLM 0.25.1: a connector may ask for one KV tensor of every layer
+    # (prefer_cross_layer_blocks, then register_cross_layers_kv_cache); 0.32 has neither
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    HAS_CROSS_LAYER_REGISTRATION = hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
+except ImportError:  # no vLLM at all
+    HAS_CROSS_LAYER_REGISTRATION = False
+
+
 def cache_hit_sources(per_tier: dict[str, int], num_external_tokens: int) -> dict[Any, int]:
     """vLLM 0.32's split of a promised hit by ``CacheHitSource`` from kvtier's split by tier
     name (:meth:`kvtier.scheduler.OffloadScheduler.hit_sources`). The counts must sum to

@@ -108,6 +108,8 @@ class WorkerSide:
 
     def _why_per_layer(self) -> str:
         """Why vLLM registered one tensor per layer although ``cross_layer_blocks`` is set."""
+        if not compat.HAS_CROSS_LAYER_REGISTRATION:
+            return "this vLLM has no cross-layer registration (vLLM 0.25.1 has one)"
         if not self.prefers_cross_layer_blocks():
             return ("this model does not qualify (it needs one KV-cache group of plain "
                     "attention, no EAGLE/MTP drafts and an unquantized cache)")
