@@ -97,6 +97,13 @@ class StepResult:
                           self.failed_blocks | other.failed_blocks,
                           WorkerReport().add(self.report).add(other.report))
 
+    def is_empty(self) -> bool:
+        """Nothing finished and nothing reported (most decode steps)."""
+        return self == _NOTHING
+
+
+_NOTHING = StepResult()  # compared against, never changed
+
 
 class OffloadWorker:
     """One rank's worker half.

@@ -7,7 +7,6 @@ with ``obs_`` are lists of observations for the histograms and are concatenated.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ class KvtierStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KvtierStats:
         for k, v in (other.data or {}).items():
-            if is_gauge(k):
+            if k.startswith(GAUGE):
                 self.data[k] = v
             elif isinstance(v, list):
                 self.data[k] = [*self.data.get(k, []), *v]
@@ -53,7 +52,7 @@ class KvtierStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(v for k, v in self.data.items() if not is_gauge(k))
+        return not any(v for k, v in self.data.items() if not k.startswith(GAUGE))
 
 
 def add_observations(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
@@ -66,24 +65,13 @@ def add_observations(into: dict[str, list[float]], more: dict[str, list[float]])
             del kept[: len(kept) - MAX_OBSERVATIONS]
 
 
-def counter_deltas(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
-
-
-@functools.lru_cache(maxsize=4096)
-def is_gauge(key: str) -> bool:
-    """A level (kept newest), not a counter (summed). Memoized: the keys are the metric
-    table's, and a collection runs every engine step."""
-    return key.startswith(GAUGE)
-
-
 def stats_payload(counts: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """What one stats collection sends: counter deltas since ``before`` (unchanged ones left
     out) and every ``gauge_`` level. One pass: it runs every engine step."""
     delta: dict[str, Any] = {}
     gauges: dict[str, Any] = {}
     for k, v in counts.items():
-        if is_gauge(k):
+        if k.startswith(GAUGE):
             gauges[k] = v
         else:
             was = before.get(k, 0)

@@ -22,7 +22,7 @@ from kvtier.geometry import Geometry, resolve_chunk_tokens
 from kvtier.layout import GroupKind, Layout, LayoutError, build_layout
 from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
-from kvtier.protocol import StepPlan, WorkerReport
+from kvtier.protocol import StepPlan
 from kvtier.slab import Pinner
 from kvtier.store.attach import StoreMapping
 from kvtier.transfer import ChunkMover, TransferEngine, find_engine
@@ -41,8 +41,6 @@ logger = get_logger("vllm.connector")
 CROSS_LAYERS = "kvtier.cross_layers"  # the name of the one tensor of every layer
 
 EngineFactory = Callable[[ChunkMover], TransferEngine]
-
-_NOTHING_REPORTED = WorkerReport()  # compared against, never changed
 
 
 def transfer_engine_factory(setup: ConnectorSetup, device_is_cuda: bool
@@ -252,8 +250,7 @@ class WorkerSide:
         if self.worker is None:
             return StepResult()
         res = self.worker.collect()
-        if (not res.finished_loads and not res.failed_blocks
-                and res.report == _NOTHING_REPORTED):
+        if res.is_empty():
             return res  # most decode steps: nothing to count or hand over (runs every step)
         for k, v in worker_counts(res.report).items():
             if v:
