@@ -382,3 +382,140 @@ def test_kernel_path_times_jobs_and_counts_link_time_once() -> None:
     assert load.busy_seconds == pytest.approx(link, rel=1e-9)
     eng.close()
     mover.slab.close()
+
+
+# --- layer-by-layer loads (load_by_layer) -----------------------------------------------
+
+SINGLE_GROUP = [n for n in NAMES if len(_family(n).layout.groups) == 1]
+
+
+class _RecordingStream:
+    """The compute stream as the forward sees it: records what it was made to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+class _ComputeRecordingRuntime(HostRuntime):
+    def __init__(self) -> None:
+        super().__init__()
+        self.compute = _RecordingStream()
+
+    def current(self) -> Any:
+        return self.compute
+
+
+class _LoadsByLayer(CudaTransferEngine):
+    """Every load through :meth:`load_by_layer`, each layer waited in the forward's order
+    (so the round trip of tests/_families.py checks the bands' bytes)."""
+
+    bands_seen: list[int]
+
+    def load(self, job: Job) -> None:
+        loads = self.load_by_layer([job])
+        assert loads is not None
+        for layer in sorted({s.layer_index for s in self.mover.layout.groups[0].segments}):
+            loads.wait_layer(layer)
+        assert loads.next == len(loads.first_layers)  # every band waited for
+        self.bands_seen.append(len(loads.first_layers))
+
+
+@pytest.mark.parametrize("mode", ["dma", "kernel"])
+@pytest.mark.parametrize("band_bytes", [1, 1 << 30])
+@pytest.mark.parametrize("name", SINGLE_GROUP)
+def test_loads_by_layer_are_bit_exact(name: str, mode: str, band_bytes: int,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Band by band (one layer per band, or the whole chunk in one), the loaded blocks are
+    the reference codec's, every other byte keeps its poison (tests/_families.py)."""
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", band_bytes)
+    fam = _family(name)
+    seen: list[int] = []
+    base = _engine_factory(mode, fam)
+
+    def make(mover: ChunkMover) -> CudaTransferEngine:
+        e = base(mover)
+        e.__class__ = _LoadsByLayer
+        e.bands_seen = seen
+        return e
+    moved = check_engine(fam, make, seed=5)
+    assert moved["loaded"] > 0 and seen
+    layers = {s.layer_index for s in fam.layout.groups[0].segments}
+    assert set(seen) == ({len(layers)} if band_bytes == 1 else {1})
+
+
+def test_a_layer_waits_for_the_bands_up_to_it_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bands follow the layers in slot order; the forward's wait for layer L makes the
+    compute stream wait for the events of the bands that start at or before L, each once;
+    the jobs are reported once, after every band."""
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", 1)
+    fam = _family("v032_flash_LBHNC")  # three layers, one segment each
+    chunk, bpc = blocks_per_chunk(fam.layout)
+    mover = make_mover(fam.layout, chunk, bpc, 4, pin=False)
+    rt = _ComputeRecordingRuntime()
+    eng = CudaTransferEngine(mover, KvtierConfig(dram_size="1GiB", gpu_staging_size="8MiB"),
+                             mode="kernel", runtime=rt)
+    b = bpc[0]
+    eng.save(Job(1, "s", [TransferOp(0, 0, list(range(b)))]))
+    eng.save(Job(2, "s", [TransferOp(0, 1, list(range(b, 2 * b)))]))
+    drain(eng, {1, 2})
+    eng.tick()
+    rt.compute.waited.clear()
+    loads = eng.load_by_layer([Job(3, "a", [TransferOp(0, 0, list(range(2 * b, 3 * b)))]),
+                               Job(4, "b", [TransferOp(0, 1, list(range(3 * b, 4 * b)))])])
+    assert loads is not None and loads.first_layers == [0, 1, 2]
+    assert all(len(evs) == 1 for evs in loads.events)  # both jobs in one batch per band
+    loads.wait_layer(0)
+    assert rt.compute.waited == loads.events[0]
+    loads.wait_layer(0)  # a second wait for the same layer adds nothing
+    assert rt.compute.waited == loads.events[0]
+    loads.wait_layer(2)  # layer 1's hook skipped: its band is still waited for, in order
+    assert rt.compute.waited == [*loads.events[0], *loads.events[1], *loads.events[2]]
+    loads.synchronize()
+    got = drain(eng, {3, 4})
+    assert got[3].ok and got[4].ok
+    assert got[3].nbytes == got[4].nbytes == codec.chunk_bytes(fam.layout.groups[0], b)
+    eng.close()
+    mover.slab.close()
+
+
+def test_loads_by_layer_reject_bad_jobs_and_defer_to_whole_loads() -> None:
+    """A bad job fails alone (reported by poll, nothing written); with checksums on, or
+    several groups, the engine declines (None) and the caller loads whole."""
+    fam, mover, bpc = _simple()
+    eng = CudaTransferEngine(mover, KvtierConfig(dram_size="1GiB", gpu_staging_size="8MiB"),
+                             mode="kernel", runtime=HostRuntime())
+    b = bpc[0]
+    nb = fam.layout.groups[0].num_blocks
+    before = poison(group_storages(fam.layout.groups[0]), 2)
+    eng.tick()
+    loads = eng.load_by_layer([Job(7, "bad", [TransferOp(0, 0, [nb, *range(1, b)])])])
+    assert loads is not None
+    loads.wait_layer(10**6)
+    loads.synchronize()
+    got = drain(eng, {7})
+    assert not got[7].ok and got[7].error
+    assert all(torch.equal(s, p) for s, p in zip(group_storages(fam.layout.groups[0]), before))
+    eng.close()
+    mover.slab.close()
+    verified = make_mover(fam.layout, *blocks_per_chunk(fam.layout), 4, pin=False, verify=True)
+    eng = CudaTransferEngine(verified, KvtierConfig(dram_size="1GiB"), runtime=HostRuntime())
+    assert eng.load_by_layer([Job(8, "v", [TransferOp(0, 0, list(range(b)))])]) is None
+    eng.close()
+    verified.slab.close()
+    hybrid = _family("v032_mamba_hybrid")
+    chunk, hb = blocks_per_chunk(hybrid.layout)
+    m = make_mover(hybrid.layout, chunk, hb, 4, pin=False)
+    eng = CudaTransferEngine(m, KvtierConfig(dram_size="1GiB"), runtime=HostRuntime())
+    assert eng.load_by_layer([]) is None
+    eng.close()
+    m.slab.close()

@@ -82,6 +82,10 @@ class Job:
     req_id: str
     ops: list[TransferOp]
     chunk: int = -1  # saves: the chunk index (tests and logs)
+    # loads: for the forward of the step that plans it, layer by layer (``layerwise_loads``):
+    # the request is not parked, the forward waits for each layer's bytes, and a failure is
+    # reported in that same step by its blocks, never as a finished load
+    by_layer: bool = False
 
 
 @dataclass

@@ -350,10 +350,13 @@ class OffloadScheduler:
         return hit
 
     def start_load(
-        self, req_id: str, num_external_tokens: int, block_ids: Sequence[Sequence[int]]
+        self, req_id: str, num_external_tokens: int, block_ids: Sequence[Sequence[int]],
+        by_layer: bool = False,
     ) -> Job:
         """The engine allocated ``block_ids`` (all of the request's blocks, per group) for a
-        promised hit: pin its chunks and queue the load for this step's plan."""
+        promised hit: pin its chunks and queue the load for this step's plan. ``by_layer``:
+        the engine computes the request in this same step and its forward reads the blocks
+        layer by layer (:attr:`~kvtier.protocol.Job.by_layer`); its report is a load's."""
         st = self.requests[req_id]
         if st.pending_hit is None or st.pending_hit[0].tokens != num_external_tokens:
             raise RuntimeError(
@@ -380,7 +383,7 @@ class OffloadScheduler:
             for j, e in zip(chunks, pinned):
                 ops.append(TransferOp(g, e.slot, geo.blocks_to_load(g, st.block_ids[g], j, hbm),
                                       key_seed(e.key)))
-        job = Job(next(self._job_ids), req_id, ops)
+        job = Job(next(self._job_ids), req_id, ops, by_layer=by_layer)
         n_chunks = hit.boundary - first_chunk
         self.jobs[job.job_id] = _JobState(job, JobKind.LOAD, entries, [], n_chunks, hit.tokens)
         self._pending_load_chunks += n_chunks

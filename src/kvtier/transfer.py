@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -90,6 +90,21 @@ class Completion:
         return self.seconds if self.link_seconds is None else self.link_seconds
 
 
+class LayerLoads(Protocol):
+    """Loads started for the forward that reads them layer by layer
+    (:meth:`TransferEngine.load_by_layer`). Their jobs complete and are reported by
+    :meth:`TransferEngine.poll` like any load's."""
+
+    def wait_layer(self, layer_index: int) -> None:
+        """Order what the forward does next (the compute stream, or the host) after the
+        bytes of every layer up to ``layer_index`` landed; never blocks the host on a
+        device engine."""
+
+    def synchronize(self) -> None:
+        """Block the host until every copy of these loads ended (its completion is then
+        in the next :meth:`TransferEngine.poll`)."""
+
+
 class TransferEngine(ABC):
     @abstractmethod
     def save(self, job: Job) -> None:
@@ -98,6 +113,13 @@ class TransferEngine(ABC):
     @abstractmethod
     def load(self, job: Job) -> None:
         """Start copying the job's slots into its blocks."""
+
+    def load_by_layer(self, jobs: Sequence[Job]) -> LayerLoads | None:
+        """Start loads that the forward about to run reads, layer by layer, in layer order
+        (the layout's segments are in layer order in each slot), or return None: this engine
+        cannot, and the caller loads them with :meth:`load` and waits for them whole before
+        the forward reads any. Jobs it rejects are reported failed by :meth:`poll`."""
+        return None
 
     def verify(self, job: Job) -> None:
         """Start checking the job's slots against their checksums (nothing is written); the
@@ -151,7 +173,10 @@ class EngineWrapper(TransferEngine):
     """An engine around another (``inner``): every call goes through unchanged unless a
     subclass overrides it. Wrappers stack (re-issued loads around test faults around the
     real engine), so a wrapper must pass on what it does not change, verify jobs included:
-    subclass this rather than :class:`TransferEngine`."""
+    subclass this rather than :class:`TransferEngine`. :meth:`load_by_layer` is the one call
+    not passed on: under a wrapper, layer-by-layer loads go through :meth:`load` (whole, the
+    forward waiting on the host), so the wrapper sees every load (a wrapper that keeps an
+    engine's bands must override it and pass it on itself)."""
 
     def __init__(self, inner: TransferEngine) -> None:
         self.inner = inner
@@ -161,6 +186,9 @@ class EngineWrapper(TransferEngine):
 
     def load(self, job: Job) -> None:
         self.inner.load(job)
+
+    def load_by_layer(self, jobs: Sequence[Job]) -> LayerLoads | None:
+        return None  # not passed on: the caller loads them through load(), which this sees
 
     def verify(self, job: Job) -> None:
         self.inner.verify(job)

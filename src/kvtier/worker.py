@@ -14,6 +14,7 @@ job, and asks :meth:`~kvtier.transfer.TransferEngine.query` for jobs in flight f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from kvtier.transfer import (
     ChecksumMismatch,
     ChunkMover,
     Completion,
+    LayerLoads,
     ThreadedTransferEngine,
     TransferEngine,
 )
@@ -55,6 +57,12 @@ request arriving meanwhile waits at most this long to be scheduled."""
 
 REQUERY_STEPS = 2
 """Collects after which a job still in flight is looked up with ``engine.query``."""
+
+LAYER_WAIT_LIMIT_S = 60.0
+"""Longest the host waits for a layer-by-layer load whose engine cannot order the forward
+after each layer (:meth:`~kvtier.transfer.TransferEngine.load_by_layer` returned None).
+Past it the load's blocks are reported failed (vLLM recomputes them) and the wait ends:
+the step never hangs on a copy that does not finish."""
 
 logger = get_logger("worker")
 
@@ -103,6 +111,33 @@ class StepResult:
 
 
 _NOTHING = StepResult()  # compared against, never changed
+
+
+class LayeredStep:
+    """The layer-by-layer loads of one step (:attr:`~kvtier.protocol.Job.by_layer`): the
+    forward of that step reads their blocks, so vLLM learns of a failure in that step, by
+    block id, and never sees them as finished loads.
+
+    ``loads``: the engine's handle (None: the engine cannot order the forward per layer;
+    the first layer's wait blocks the host until every job is reported). ``layers``: the
+    layer indexes whose bytes the jobs write; each must see its own wait before the forward
+    reads it, else (a CUDA graph replayed the whole forward, say) the blocks are reported
+    failed although the copies succeeded."""
+
+    def __init__(self, jobs: list[Job], loads: LayerLoads | None, layers: frozenset[int]
+                 ) -> None:
+        self.jobs = jobs
+        self.loads = loads
+        self.layers = layers
+        self.waited: set[int] = set()
+        self.host_waited_at: int | None = None  # loads None: the layer whose wait blocked
+
+    def missed(self) -> list[int]:
+        """Layers whose bytes the forward may have read before they landed (in layer
+        order, the forward's)."""
+        if self.loads is None and self.host_waited_at is not None:
+            return sorted(layer for layer in self.layers if layer < self.host_waited_at)
+        return sorted(self.layers - self.waited)
 
 
 class OffloadWorker:
@@ -177,6 +212,17 @@ class OffloadWorker:
         self.refusing: str | None = None
         self.refused = 0  # jobs failed so, ever
         self._refused: list[Completion] = []
+        # this step's layer-by-layer loads (None: none), and completions collected early
+        # while the forward waited for them on the host
+        self._layered: LayeredStep | None = None
+        self._early = StepResult()
+        # by-layer jobs whose blocks vLLM was told about already (failed or not awaited):
+        # their completion, whenever it comes, only goes to the scheduler half
+        self._settled: set[int] = set()
+        self.loads_by_layer = 0  # jobs loaded for their step's forward, layer by layer, ever
+        self.layers_missed = 0  # steps whose forward read such a load's layer unwaited, ever
+        self._layer_indexes = frozenset(s.layer_index for g in layout.groups
+                                        for s in g.segments if s.layer_index >= 0)
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
@@ -196,13 +242,19 @@ class OffloadWorker:
         self.step = plan.step
         self._idle = plan.idle
         self.engine.tick()
+        by_layer: list[Job] = []
         for job in plan.loads:
             self._load_reqs[job.job_id] = job
+            if job.by_layer:
+                by_layer.append(job)
             if self.refusing is not None:
                 self._refuse(JobKind.LOAD, job)
                 continue
             self._inflight[job.job_id] = self._collects
-            self.engine.load(job)
+            if not job.by_layer:
+                self.engine.load(job)
+        if by_layer:
+            self._begin_layered(by_layer)
         for job in plan.verifies:
             self._load_reqs[job.job_id] = job
             if self.refusing is not None:
@@ -212,6 +264,82 @@ class OffloadWorker:
             self.engine.verify(job)
         for tier_plan in plan.tiers:
             self._submit_tier(tier_plan)
+
+    def _begin_layered(self, jobs: list[Job]) -> None:
+        """Start this step's layer-by-layer loads (refused ones already failed)."""
+        running = [j for j in jobs if j.job_id in self._inflight]
+        self.loads_by_layer += len(jobs)
+        loads = self.engine.load_by_layer(running) if running else None
+        if loads is None:
+            for job in running:
+                self.engine.load(job)
+        self._layered = LayeredStep(jobs, loads, self._layer_indexes)
+
+    @property
+    def loading_by_layer(self) -> bool:
+        """Whether this step's forward must wait for layer-by-layer loads."""
+        return self._layered is not None
+
+    def wait_layer(self, layer_index: int) -> None:
+        """The forward is about to read layer ``layer_index``: order it after that layer's
+        bytes (on the device where the engine can; else the host waits for every load of
+        the step, once)."""
+        step = self._layered
+        if step is None:
+            return
+        step.waited.add(layer_index)
+        if step.loads is not None:
+            step.loads.wait_layer(layer_index)
+        elif step.host_waited_at is None:
+            step.host_waited_at = layer_index
+            self._wait_on_host([j.job_id for j in step.jobs], self._early)
+
+    def _wait_on_host(self, job_ids: list[int], out: StepResult) -> None:
+        """Block until the jobs are reported (their completions accounted into ``out``), at
+        most :data:`LAYER_WAIT_LIMIT_S`."""
+        t0 = time.monotonic()
+        pending = [j for j in job_ids if j in self._inflight]
+        while pending:
+            self.engine.wait(0.005)
+            for c in self.engine.poll():
+                self._take(c, out)
+            pending = [j for j in pending if j in self._inflight]
+            waited = time.monotonic() - t0
+            if pending and waited > 0.05:  # a notice may be lost (the engine contract)
+                for c in self.engine.query(pending):
+                    self._take(c, out)
+                pending = [j for j in pending if j in self._inflight]
+            if pending:
+                if waited > LAYER_WAIT_LIMIT_S:
+                    logger.error("kvtier rank %d: layer-by-layer loads %s not done after "
+                                 "%.0f s; their blocks are reported failed", self.rank,
+                                 pending, waited)
+                    return
+                time.sleep(0.0002)
+
+    def _settle_layered(self, step: LayeredStep, out: StepResult) -> None:
+        """Tell vLLM, in this step, which by-layer blocks it must recompute: those of failed
+        jobs (:meth:`_account`), of jobs still not done (an engine error, a lost notice: the
+        forward read them anyway), and of every job when a layer was read without its wait."""
+        if step.loads is not None:
+            step.loads.synchronize()
+        else:  # the host waited at the first layer; if no layer waited (a FULL graph): now
+            self._wait_on_host([j.job_id for j in step.jobs], out)
+        for c in self.engine.poll():
+            self._take(c, out)
+        missed = step.missed()
+        if missed:
+            self.layers_missed += 1
+            if self.layers_missed <= 20 or self.layers_missed % 100 == 0:
+                logger.warning("kvtier rank %d: the forward read layers %s without waiting "
+                               "for their layer-by-layer load (%d so far); vLLM recomputes "
+                               "those blocks", self.rank, missed[:8], self.layers_missed)
+        for job in step.jobs:
+            if missed or job.job_id in self._inflight:
+                self._settled.add(job.job_id)
+                out.failed_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
+        # _settled keeps only jobs whose completion is still to come
+        self._settled.intersection_update(self._inflight)
 
     def _submit_tier(self, plan: TierPlan) -> None:
         """Queue a lower tier's jobs on its own I/O thread (never waited for here)."""
@@ -260,7 +388,7 @@ class OffloadWorker:
                                         f"not run: {self.refusing}"))
 
     def collect(self) -> StepResult:
-        out = StepResult()
+        out, self._early = self._early, StepResult()
         rep = out.report
         refused, self._refused = self._refused, []
         for c in refused:
@@ -272,6 +400,9 @@ class OffloadWorker:
         idle, self._idle = self._idle, False  # once per step: a second collect returns at once
         if idle and self._inflight and self.idle_wait_s > 0:
             self.engine.wait(self.idle_wait_s)
+        step, self._layered = self._layered, None
+        if step is not None:
+            self._settle_layered(step, out)
         for c in self.engine.poll():
             self._take(c, out)
         stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]
@@ -323,6 +454,11 @@ class OffloadWorker:
         rep.bytes_loaded += c.nbytes
         rep.load_seconds += c.busy_seconds
         self.total_bytes_loaded += c.nbytes
+        if job.by_layer:  # never parked: vLLM hears only of its failed blocks, once
+            if not ok and job.job_id not in self._settled:
+                out.failed_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
+            self._settled.discard(job.job_id)
+            return
         out.finished_loads.add(req_id)
         if not ok:
             out.failed_loads.add(req_id)

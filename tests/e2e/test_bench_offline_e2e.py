@@ -52,3 +52,22 @@ def test_the_offline_bench_runs_every_configuration_and_reports_them(tmp_path: P
         lines = r["timelines"]
         assert len(lines) == 4 and all(line["prefill_steps"] >= 1 for line in lines)
         assert all(line["decode_steps"] >= 3 for line in lines)
+
+
+def test_the_layerwise_configuration_restores_without_parking(tmp_path: Path) -> None:
+    """``kvtier-layerwise``: the same hits restored inside the step that computes the rest of
+    the prompt: the model's own tokens, no request parked."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "offline", "--shape", "tiny",
+           "--prefixes", "2", "--prefix-len", "256", "--per-prefix", "2", "--suffix-len", "64",
+           "--output-len", "4", "--hbm-blocks", "14", "--dram-gib", "0.125", "--enforce-eager",
+           "--kvtier-set", "cost_model=false", "--model-root", str(tmp_path),
+           "--configs", "big,kvtier-layerwise", "--out-dir", str(out)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    big = json.loads((out / "big-r0.json").read_text())
+    lw = json.loads((out / "kvtier-layerwise-r0.json").read_text())
+    assert lw["tokens"] == big["tokens"]
+    assert lw["kvtier"]["loads_ok"] > 0 and lw["kvtier"]["loads_failed"] == 0
+    assert not lw["park_steps"]  # nothing parked: every hit loaded in its own step

@@ -25,14 +25,15 @@ import time
 from typing import Any
 
 from kvtier.bench import offline_report
-from kvtier.bench.offline_engine import CONFIGS, add_workload_arguments
+from kvtier.bench.offline_engine import CONFIGS, DEFAULT_CONFIGS, add_workload_arguments
 
 HELP = "offline reference runs (hbm, big, native, kvtier, kvtier-null-copy), one engine each"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default: "
+                   f"{','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every configuration this many times, alternating the order")
     p.add_argument("--out-dir", default=None,

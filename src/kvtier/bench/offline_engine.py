@@ -8,7 +8,8 @@ Configurations (:data:`CONFIGS`): ``hbm`` (vLLM's prefix cache in ``--hbm-blocks
 (the shape's ``big_blocks``: every prefix stays), ``native`` (vLLM's OffloadingConnector,
 ``kv_offloading_size``), ``kvtier``, ``kvtier-null-copy`` (kvtier with
 :class:`kvtier.testing.null_copy.NullCopyConnector`: its decisions and parks, no bytes moved;
-its tokens are not the model's). Writes one JSON: wall time, engine start, per-request greedy
+its tokens are not the model's), ``kvtier-layerwise`` (kvtier with ``layerwise_loads``: hits
+restored inside the step that computes the rest of the prompt, never parked). Writes one JSON: wall time, engine start, per-request greedy
 tokens, per-request timelines and the seconds per category (:mod:`kvtier.bench.steps`), park
 lengths, kvtier's counters.
 """
@@ -22,7 +23,8 @@ import sys
 import time
 from typing import Any
 
-CONFIGS = ("hbm", "big", "native", "kvtier", "kvtier-null-copy")
+CONFIGS = ("hbm", "big", "native", "kvtier", "kvtier-null-copy", "kvtier-layerwise")
+DEFAULT_CONFIGS = CONFIGS[:5]  # the issue's reference set; kvtier-layerwise when asked for
 
 # The reference shapes (issue 15): per shape, the model config, vLLM block size, the HBM
 # budget of hbm/native/kvtier (about two prefixes) and of big (every prefix stays), in blocks.
@@ -148,7 +150,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
             else "kvtier.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"dram_size": f"{args.dram_gib:g}GiB",
-                                       **settings(args.kvtier_set)})
+                                       **settings(args.kvtier_set),
+                                       **({"layerwise_loads": True}
+                                          if args.config == "kvtier-layerwise" else {})})
     elif args.config == "native":
         kw["kv_offloading_size"] = float(args.dram_gib)
     return kw

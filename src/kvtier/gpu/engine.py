@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -79,6 +80,7 @@ from kvtier.gpu.dma import (
 )
 from kvtier.gpu.runtime import CudaRuntime, Runtime
 from kvtier.gpu.verify import BatchCheck, Rows, host_store
+from kvtier.layout import GroupLayout
 from kvtier.log import get_logger
 from kvtier.protocol import SKIP, Job
 from kvtier.transfer import ChunkMover, Completion, Mismatch, SlotVerifier, TransferEngine
@@ -109,6 +111,11 @@ addressed in one pass instead of one per 64 MiB batch, while the first batch of 
 still starts before the last save is queued."""
 STAGE_ALIGN = 256
 META_ENTRIES = 1 << 18
+BAND_MIN_BYTES = 2**20
+"""Layer-by-layer loads (:meth:`CudaTransferEngine.load_by_layer`) move a chunk in bands of
+whole layers of at least this many bytes per chunk (one layer of a 16-block chunk of the
+Llama-8B shape is 1 MiB): a band's copies stay large enough for the link, and a layer waits
+only for the bands up to its own."""
 
 
 @dataclass
@@ -153,6 +160,46 @@ class _JobState:
         self.started: Any = None
         self.t0 = 0.0
         self.corrupt: list[Mismatch] = []
+
+
+@dataclass
+class _Band:
+    """Consecutive layers of one group, moved together by a layer-by-layer load: ``group``
+    is the engine's group over the band's segments alone, ``offset`` where the band's bytes
+    start inside a slot (a slot holds a chunk segment by segment, in layer order)."""
+
+    first_layer: int
+    group: _Group
+    offset: int
+
+
+class _BandLoads:
+    """The :class:`~kvtier.transfer.LayerLoads` of one step: per band, in layer order, the
+    events after which its bytes are in the cache."""
+
+    def __init__(self, rt: Runtime, first_layers: list[int], events: list[list[Any]]) -> None:
+        self.rt = rt
+        self.first_layers = first_layers
+        self.events = events
+        self.next = 0  # the first band no layer waited for yet
+
+    def wait_layer(self, layer_index: int) -> None:
+        n = len(self.first_layers)
+        if self.next >= n or self.first_layers[self.next] > layer_index:
+            return
+        compute = self.rt.current()
+        while self.next < n and self.first_layers[self.next] <= layer_index:
+            for ev in self.events[self.next]:
+                if ev is not None:  # None: the context is gone, nothing runs any more
+                    compute.wait_event(ev)
+            self.next += 1
+
+    def synchronize(self) -> None:
+        for band in self.events:
+            for ev in band:
+                if ev is not None:
+                    with contextlib.suppress(RuntimeError):  # poll reports the error
+                        ev.synchronize()
 
 
 @dataclass(slots=True)
@@ -318,6 +365,8 @@ class CudaTransferEngine(TransferEngine):
         half = (int(config.gpu_staging_size) // 2) // STAGE_ALIGN * STAGE_ALIGN
         self._groups = [self._set_up_group(g, half, dma_min_piece) for g in
                         range(len(layout.groups))]
+        # the bands of a layer-by-layer load, made at its first use (one group only)
+        self._bands: list[_Band] | None = None
         need_stage = any(g.path == "kernel" for g in self._groups)
         self.stage = torch.empty(2 * half if need_stage else 0, dtype=torch.uint8,
                                  device=device)
@@ -455,6 +504,61 @@ class CudaTransferEngine(TransferEngine):
             after = self.rt.event()
             after.record(self.rt.current())
         self._submit("load", [job], after)
+
+    def load_by_layer(self, jobs: Sequence[Job]) -> _BandLoads | None:
+        """Load the jobs band by band (:data:`BAND_MIN_BYTES`, layer order), each band's
+        batches after the step's start as any load's; the forward's wait for a layer makes
+        the compute stream wait for the bands up to it. None (load them whole) for several
+        groups or with checksums (verified per chunk, not per band)."""
+        if len(self._groups) != 1 or self.verify_sums:
+            return None
+        if self._bands is None:
+            self._bands = self._make_bands(self._groups[0])
+        self._flush()
+        after = self._step_event
+        if after is None:
+            after = self.rt.event()
+            after.record(self.rt.current())
+        work = self._accept("load", list(jobs)).get(0)
+        events: list[list[Any]] = [[] for _ in self._bands]
+        if work is not None and work.owners:
+            queue = self._inflight["load"]
+            addrs = self._slot_addrs(self._groups[0], work.slots)
+            for band, done in zip(self._bands, events):
+                g = band.group
+                per = max(1, self.batch_bytes // g.chunk_bytes)
+                if g.path == "kernel":
+                    per = min(per, max(1, self._stage_ring["load"].size // 2 // g.chunk_bytes))
+                for a in range(0, len(work.owners), per):
+                    self._batch("load", g, work.ids[a:a + per], addrs[a:a + per] + band.offset,
+                                work.owners[a:a + per], after)
+                    done.append(queue[-1].done)
+        return _BandLoads(self.rt, [b.first_layer for b in self._bands], events)
+
+    def _make_bands(self, g: _Group) -> list[_Band]:
+        """The group's segments cut into bands of whole layers, each at least
+        :data:`BAND_MIN_BYTES` per chunk (the last may be smaller)."""
+        group = self.mover.layout.groups[g.gid]
+        segs = group.segments
+        cuts, size = [0], 0
+        for i, s in enumerate(segs):
+            if (i > 0 and size >= BAND_MIN_BYTES
+                    and s.layer_index != segs[i - 1].layer_index):
+                cuts.append(i)
+                size = 0
+            size += s.run * g.bpc
+        cuts.append(len(segs))
+        bands = []
+        for a, b in itertools.pairwise(cuts):
+            part = GroupLayout(group.group_id, group.spec, segs[a:b])
+            table = SegmentTable.of(part, g.bpc)
+            band = _Group(g.gid, g.bpc, g.num_blocks, g.slot_class, table, g.path)
+            if g.path == "kernel":
+                from kvtier.gpu.kernels import TileTable
+
+                band.tiles = TileTable.build(part, g.bpc, stage_align=STAGE_ALIGN)
+            bands.append(_Band(segs[a].layer_index, band, int(g.table.chunk_off[a])))
+        return bands
 
     def verify(self, job: Job) -> None:
         """On the host, on a thread of its own (the slots are host memory)."""

@@ -97,7 +97,8 @@ class FaultyEngine(EngineWrapper):
             return job
         dropped = kv_ops[self.skip_load_chunk]
         self.injected += 1
-        return Job(job.job_id, job.req_id, [op for op in job.ops if op is not dropped], job.chunk)
+        return Job(job.job_id, job.req_id, [op for op in job.ops if op is not dropped], job.chunk,
+                   job.by_layer)
 
     def _skip_state(self, job: Job) -> Job:
         if not self.skip_state_loads:
@@ -106,7 +107,7 @@ class FaultyEngine(EngineWrapper):
                 if self.layout.groups[op.group].spec.kind is not GroupKind.STATE]
         if len(kept) < len(job.ops):
             self.injected += 1
-        return Job(job.job_id, job.req_id, kept, job.chunk)
+        return Job(job.job_id, job.req_id, kept, job.chunk, job.by_layer)
 
     def _start(self, kind: JobKind, job: Job) -> None:
         if kind is JobKind.SAVE:

@@ -87,9 +87,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
                                  **kwargs: Any) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
-        if num_external_tokens > 0:
-            self.timings.load_started(request.request_id)
+        if self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens):
+            self.timings.load_started(request.request_id)  # parked until its load ends
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[Any, int]:
@@ -142,7 +141,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # loads were started when the step's metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -69,6 +69,8 @@ class SchedulerSide:
         # requests vLLM scheduled before the scheduler half existed: their block tables are
         # unknown, so nothing is saved from them until a step hands over a full table
         self._blind: set[str] = set()
+        # requests whose hit, promised by the last lookup, loads layer by layer (not parked)
+        self._by_layer: set[str] = set()
         # vLLM's block pool where its local hit of a hybrid can outrun the state groups'
         # (kvtier.vllm.hybrid_hits); None elsewhere
         self._block_pool: Any = None
@@ -121,7 +123,22 @@ class SchedulerSide:
             n, load = self._matched_tokens(request, num_computed_tokens)
         if n == 0 and self._state_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a local hit with its state
+        if load and self._loads_by_layer(request, num_computed_tokens, n):
+            self._by_layer.add(request.request_id)
+            return n, False  # vLLM's synchronous load: computed in this very step
+        self._by_layer.discard(request.request_id)
         return n, load
+
+    def _loads_by_layer(self, request: Any, num_computed_tokens: int, n: int) -> bool:
+        """Whether the hit of ``n`` tokens is loaded inside the step that computes the rest
+        of the prompt (``layerwise_loads`` where this engine allows it). Only while that rest
+        is longer than a uniform decode's query: a step of nothing but such queries may
+        replay a FULL CUDA graph, which skips the layer waits (the worker then reports the
+        blocks as failed, and vLLM recomputes them)."""
+        if not self.setup.layerwise_loads:
+            return False
+        rest = int(request.num_tokens) - num_computed_tokens - n
+        return rest > self.setup.decode_query_len
 
     def _store_epoch_unconfirmed(self) -> bool:
         """Whether a hit must not be promised yet because the workers may not map the store's
@@ -203,12 +220,18 @@ class SchedulerSide:
         return n, bool(n)  # None: the hit is being prepared, ask again next step
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+                                 num_external_tokens: int) -> bool:
+        """Start the load of a promised hit; whether vLLM parks the request for it (False:
+        none, or loaded layer by layer in this step)."""
         groups = self.setup.groups
+        by_layer = request.request_id in self._by_layer
+        self._by_layer.discard(request.request_id)
         if self.scheduler is None or num_external_tokens == 0 or groups is None:
-            return
+            return False
         block_ids = groups.to_kvtier(blocks.get_block_ids())
-        self.scheduler.start_load(request.request_id, num_external_tokens, block_ids)
+        self.scheduler.start_load(request.request_id, num_external_tokens, block_ids,
+                                  by_layer=by_layer)
+        return not by_layer
 
     def cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """vLLM 0.32: the promised tokens of ``request`` by tier (DRAM: host; disk: disk)."""
@@ -224,6 +247,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self.requests.pop(request.request_id, None)
         self._blind.discard(request.request_id)
+        self._by_layer.discard(request.request_id)
         if self.admission is not None:
             self.admission.forget(request.request_id)
         if self.scheduler is not None:

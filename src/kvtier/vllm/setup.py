@@ -34,6 +34,12 @@ class ConnectorSetup:
     model_name: str
     draft_lookahead: int = 0  # 1 with EAGLE/MTP drafts: a chunk's key covers the next token
     priority_policy: bool = False  # vLLM's scheduling policy is "priority" (not FCFS)
+    # hits are restored inside the step that computes the rest of the prompt, layer by
+    # layer (``layerwise_loads`` where this engine allows it: :func:`layerwise_loads`)
+    layerwise_loads: bool = False
+    # tokens a request computes per step in a uniform decode batch (1 + speculative tokens):
+    # a batch of only such requests may replay a FULL CUDA graph, which skips the layer waits
+    decode_query_len: int = 1
 
 
 def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
@@ -58,18 +64,69 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
     loads_enabled = _loads_enabled(vllm_config, is_scheduler)
     if disabled_reason:
         logger.warning("kvtier is off for this engine: %s", disabled_reason)
+    must_not_fail = groups is not None and compat.promised_loads_must_not_fail(
+        groups.num_engine_groups)
+    by_layer = (config.layerwise_loads and groups is not None and not disabled_reason
+                and layerwise_loads(config, vllm_config, groups, must_not_fail,
+                                    is_scheduler))
     return ConnectorSetup(
         config=config, world_size=tp * pp, tp_size=tp, groups=groups,
         disabled_reason=disabled_reason, loads_enabled=loads_enabled,
-        loads_must_not_fail=groups is not None
-        and compat.promised_loads_must_not_fail(groups.num_engine_groups),
+        loads_must_not_fail=must_not_fail,
         replicated=bool(getattr(vllm_config.model_config, "use_mla", False)) and tp > 1,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         model_name=str(vllm_config.model_config.model),
         draft_lookahead=draft_lookahead(vllm_config),
         priority_policy=str(getattr(getattr(vllm_config, "scheduler_config", None), "policy",
                                     "fcfs")).lower().endswith("priority"),
+        layerwise_loads=bool(by_layer),
+        decode_query_len=1 + num_speculative_tokens(vllm_config),
     )
+
+
+def num_speculative_tokens(vllm_config: Any) -> int:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+
+
+def layerwise_loads(config: KvtierConfig, vllm_config: Any, groups: EngineGroups,
+                    loads_must_not_fail: bool, warn: bool) -> bool:
+    """Whether ``layerwise_loads`` (set) can act in this engine; where it cannot, one warning
+    (from the scheduler's connector, ``warn``) says why and hits are loaded parked.
+
+    A layer-by-layer load is vLLM's synchronous load: the forward of the same step reads the
+    blocks, each attention layer after ``wait_for_layer_load``. So: one KV-cache group (0.25.1
+    reports a failed synchronous load by block id for one group only, and several groups
+    cannot report at all there), plain attention (a state or window group is read whole by
+    other kernels), no EAGLE/MTP drafts (their draft layers' KV is not on the same hook),
+    checksums off (a load is verified per chunk, not per layer) and no CUDA graph that holds
+    a whole forward of a batch that is not a uniform decode (a replayed FULL graph never
+    calls the hook: only ``cudagraph_mode`` FULL does that)."""
+    why = None
+    if len(groups.specs) != 1 or groups.specs[0].kind is not GroupKind.FULL:
+        why = "the model has more than one KV-cache group, or one that is not plain attention"
+    elif loads_must_not_fail:
+        why = "this vLLM cannot report a failed load for this model"
+    elif draft_lookahead(vllm_config):
+        why = "EAGLE/MTP drafts run"
+    elif config.verify_checksums:
+        why = "verify_checksums is on (a restore is verified per chunk, not per layer)"
+    elif _mixed_batches_full_graph(vllm_config):
+        why = ("cudagraph_mode is FULL: a replayed graph of a whole forward skips the layer "
+               "waits (FULL_AND_PIECEWISE, vLLM's default, is fine)")
+    if why is not None and warn:
+        logger.warning("kvtier: layerwise_loads is set, but %s; hits are loaded with the "
+                       "request parked", why)
+    return why is None
+
+
+def _mixed_batches_full_graph(vllm_config: Any) -> bool:
+    """Whether a batch that is not a uniform decode may replay a FULL CUDA graph."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    mixed = getattr(mode, "mixed_mode", None)
+    if mixed is None:
+        return False
+    return str(getattr(mixed(), "name", "")) == "FULL"
 
 
 def draft_lookahead(vllm_config: Any) -> int:

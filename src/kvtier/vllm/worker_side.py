@@ -11,6 +11,7 @@ acknowledged it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from kvtier.geometry import Geometry, resolve_chunk_tokens
-from kvtier.layout import GroupKind, Layout, LayoutError, build_layout
+from kvtier.layout import GroupKind, Layout, LayoutError, build_layout, layer_index
 from kvtier.load_retry import RetryingLoads, retrying_factory
 from kvtier.log import get_logger, worker_census
 from kvtier.protocol import StepPlan
@@ -39,6 +40,8 @@ from kvtier.worker import OffloadWorker, StepResult
 logger = get_logger("vllm.connector")
 
 CROSS_LAYERS = "kvtier.cross_layers"  # the name of the one tensor of every layer
+
+_layer_index = functools.lru_cache(maxsize=4096)(layer_index)  # per attention call: cached
 
 EngineFactory = Callable[[ChunkMover], TransferEngine]
 
@@ -238,6 +241,13 @@ class WorkerSide:
         if worker.refusing is not None and was is None:
             logger.warning("kvtier: %s; this worker fails its jobs (recompute) until it is",
                            mapping.why)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """vLLM is about to run the attention of ``layer_name`` (every layer, every step:
+        nothing to do unless this step loads layer by layer)."""
+        worker = self.worker
+        if worker is not None and worker.loading_by_layer:
+            worker.wait_layer(_layer_index(layer_name))
 
     def wait_for_save(self, connector_metadata: Any) -> None:
         if self.worker is None:

@@ -1,0 +1,236 @@
+"""Layer-by-layer loads (``layerwise_loads``) in the worker half, on a real CPU KV cache: the
+forward's wait for each layer (``OffloadWorker.wait_layer``), and what vLLM hears in the same
+step: never a finished load, the blocks of a failed one, and every block when a layer was read
+without its wait. Both engine kinds: one that cannot order the forward per layer (the host
+waits once, whole), and the GPU engine's bands on :class:`HostRuntime`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from _small_kv import NUM_BLOCKS, SmallKV, same
+from kvtier import worker as worker_module
+from kvtier.config import KvtierConfig
+from kvtier.gpu.engine import CudaTransferEngine
+from kvtier.layout import GroupKind, GroupSpec, build_layout
+from kvtier.protocol import Job, StepPlan, TransferOp
+from kvtier.testing.host_runtime import HostRuntime
+from kvtier.transfer import ChunkMover, Completion
+from kvtier.worker import OffloadWorker, StepResult
+from test_worker import UnreliableNotices, make_worker, save_job, step
+
+ATTN_BLOCKS = (7, 8)
+
+
+def _saved(kv: SmallKV, worker: OffloadWorker) -> list[torch.Tensor]:
+    """Blocks 1, 2 (and state 3) saved to slot 0, then the cache wiped; their bytes."""
+    want = kv.attn_block(1) + kv.attn_block(2)
+    res = step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)]))
+    assert res.report.saves == {1: [1, 0]}
+    kv.wipe()
+    return want
+
+
+def _by_layer(job_id: int, slot: int = 0, blocks: Sequence[int] = ATTN_BLOCKS) -> Job:
+    return Job(job_id, "r", [TransferOp(0, slot, list(blocks))], by_layer=True)
+
+
+def _forward(worker: OffloadWorker, layers: Sequence[int]) -> StepResult:
+    """One step whose forward waits for ``layers`` (in order), then vLLM's post-forward."""
+    worker.begin_step(StepPlan(2, loads=[_by_layer(2)]))
+    assert worker.loading_by_layer
+    for layer in layers:
+        worker.wait_layer(layer)
+    res = worker.collect()
+    assert not worker.loading_by_layer
+    return res
+
+
+def test_a_load_waited_layer_by_layer_is_restored_and_never_a_finished_load() -> None:
+    kv = SmallKV(seed=11)
+    worker = make_worker(kv, verify=False)
+    want = _saved(kv, worker)
+    res = _forward(worker, [0, 1, 2])
+    assert res.report.loads == {2: [1, 0]} and res.report.bytes_loaded > 0
+    assert res.finished_loads == set() and res.failed_loads == set()
+    assert res.failed_blocks == set() and worker.layers_missed == 0
+    assert same(kv.attn_block(7) + kv.attn_block(8), want)
+    assert worker.collect().is_empty()  # reported once
+    worker.close()
+
+
+@pytest.mark.parametrize("layers", [[1, 2], [], [0]])
+def test_a_layer_read_before_its_wait_fails_the_blocks_in_the_same_step(layers: list[int]
+                                                                         ) -> None:
+    """The host waited at layer 1 (layer 0 was read first), or no layer waited at all (a
+    replayed CUDA graph), or layer 0 alone (the host engine waits whole there: enough): the
+    copy is fine (the scheduler half hears it loaded), vLLM recomputes the blocks."""
+    kv = SmallKV(seed=12)
+    worker = make_worker(kv, verify=False)
+    _saved(kv, worker)
+    res = _forward(worker, layers)
+    assert res.report.loads == {2: [1, 0]} and res.finished_loads == set()
+    missed = layers != [0]
+    assert res.failed_blocks == (set(ATTN_BLOCKS) if missed else set())
+    assert worker.layers_missed == int(missed)
+    assert worker.collect().is_empty()
+    worker.close()
+
+
+def test_a_failed_or_refused_load_by_layer_reports_its_blocks_in_its_step() -> None:
+    kv = SmallKV(seed=13)
+    worker = make_worker(kv, verify=False)
+    worker.begin_step(StepPlan(1, loads=[_by_layer(1, slot=10**6)]))  # no such slot
+    worker.wait_layer(0)
+    res = worker.collect()
+    assert res.report.loads == {1: [0, 1]} and res.failed_blocks == set(ATTN_BLOCKS)
+    assert res.finished_loads == set() and res.failed_loads == set()
+    worker.refusing = "the store's pool is not mapped"
+    worker.begin_step(StepPlan(2, loads=[_by_layer(2, blocks=(4, 5))]))
+    worker.wait_layer(0)
+    res = worker.collect()
+    assert res.report.loads == {2: [0, 1]} and res.failed_blocks == {4, 5}
+    assert worker.pending() == 0
+    worker.close()
+
+
+class _SilentUntilAsked(UnreliableNotices):
+    """Notices lost, and ``query`` answers nothing until ``answer`` is set."""
+
+    answer = False
+
+    def query(self, job_ids: Sequence[int]) -> list[Completion]:
+        return super().query(job_ids) if self.answer else []
+
+
+def test_a_load_never_reported_fails_its_blocks_and_its_late_report_goes_to_the_scheduler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host waits at most LAYER_WAIT_LIMIT_S: the blocks are then reported failed in
+    that step; the job's own completion, later, reaches the scheduler half only."""
+    monkeypatch.setattr(worker_module, "LAYER_WAIT_LIMIT_S", 0.1)
+    kv = SmallKV(seed=14)
+    engines: list[_SilentUntilAsked] = []
+
+    def make(mover: ChunkMover) -> _SilentUntilAsked:
+        engines.append(_SilentUntilAsked(mover, lose=True))
+        return engines[-1]
+    worker = make_worker(kv, make, verify=False)
+    res = _forward(worker, [0, 1, 2])
+    assert res.report.loads == {} and res.failed_blocks == set(ATTN_BLOCKS)
+    engines[0].answer = True
+    later = [worker.collect() for _ in range(3)]
+    assert [r.report.loads for r in later if r.report.loads] == [{2: [1, 0]}]
+    assert all(r.failed_blocks == set() and r.finished_loads == set() for r in later)
+    worker.close()
+
+
+def test_a_lost_notice_is_asked_for_while_the_forward_waits() -> None:
+    kv = SmallKV(seed=15)
+    worker = make_worker(kv, lambda m: UnreliableNotices(m, lose=True), verify=False)
+    want = kv.attn_block(1) + kv.attn_block(2)
+    step(worker, StepPlan(1, saves=[save_job(1, 0, [1, 2], 3)]))
+    saved = [worker.collect().report.saves for _ in range(3)]  # found by query
+    assert {1: [1, 0]} in saved
+    kv.wipe()
+    res = _forward(worker, [0, 1, 2])
+    assert res.report.loads == {2: [1, 0]} and res.failed_blocks == set()
+    assert same(kv.attn_block(7) + kv.attn_block(8), want)
+    worker.close()
+
+
+# --- the GPU engine's bands (HostRuntime, DMA path: no Triton) ------------------------------
+
+def _one_group_worker(kv: SmallKV) -> OffloadWorker:
+    """SmallKV's attention layers as a model of one KV-cache group."""
+    layout = build_layout(kv.attn, [GroupSpec(GroupKind.FULL, 16, tuple(kv.attn))], NUM_BLOCKS)
+    config = KvtierConfig(dram_size="1MiB", gpu_staging_size="1MiB")
+
+    def make(mover: ChunkMover) -> CudaTransferEngine:
+        return CudaTransferEngine(mover, config, mode="dma", runtime=HostRuntime())
+    return OffloadWorker(config, layout, 32, engine_factory=make)
+
+
+def test_the_gpu_engine_bands_restore_a_load_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", 1)  # one band per layer
+    kv = SmallKV(seed=16)
+    worker = _one_group_worker(kv)
+    want = kv.attn_block(1) + kv.attn_block(2)
+    res = step(worker, StepPlan(1, saves=[Job(1, "r", [TransferOp(0, 0, [1, 2])])]))
+    assert res.report.saves == {1: [1, 0]}
+    kv.wipe()
+    worker.begin_step(StepPlan(2, loads=[_by_layer(2)]))
+    layered = worker._layered
+    assert layered is not None and layered.loads is not None
+    assert layered.loads.first_layers == [0, 1]
+    worker.wait_layer(0)
+    assert layered.loads.next == 1  # layer 1's band not waited for yet
+    worker.wait_layer(1)
+    res = worker.collect()
+    assert res.report.loads == {2: [1, 0]} and res.failed_blocks == set()
+    assert res.finished_loads == set()
+    assert same(kv.attn_block(7) + kv.attn_block(8), want)
+    # the next step's forward skips layer 1's wait: every block of its load is recomputed
+    worker.begin_step(StepPlan(3, loads=[_by_layer(3, blocks=(9, 10))]))
+    worker.wait_layer(0)
+    res = worker.collect()
+    assert res.report.loads == {3: [1, 0]} and res.failed_blocks == {9, 10}
+    worker.close()
+
+
+# --- where the setting can act (kvtier.vllm.setup.layerwise_loads) -------------------------
+
+def _setup(extra: dict[str, object], mamba: str | None = None,
+           cudagraph_mode: str | None = None) -> object:
+    from kvtier.vllm.setup import set_up
+    from tests.test_connector_startup import _configs
+
+    cfg, kvc = _configs("recompute", {"dram_size": "8MiB", **extra}, mamba)
+    if cudagraph_mode is not None:
+        from vllm.config import CUDAGraphMode
+
+        cfg.compilation_config.cudagraph_mode = CUDAGraphMode[cudagraph_mode]
+    return set_up(cfg, cfg.kv_transfer_config, kvc, is_scheduler=True)
+
+
+def test_the_setting_acts_only_where_vllm_reads_each_layer_after_its_wait(
+        caplog: pytest.LogCaptureFixture) -> None:
+    assert not _setup({}).layerwise_loads  # type: ignore[attr-defined]
+    assert _setup({"layerwise_loads": True}).layerwise_loads  # type: ignore[attr-defined]
+    for mode in ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE", "FULL_DECODE_ONLY"):
+        assert _setup({"layerwise_loads": True}, cudagraph_mode=mode).layerwise_loads, mode
+    refusals = [
+        (_setup({"layerwise_loads": True}, cudagraph_mode="FULL"), "cudagraph_mode is FULL"),
+        (_setup({"layerwise_loads": True, "verify_checksums": True}), "verify_checksums"),
+        (_setup({"layerwise_loads": True}, mamba="align"), "more than one KV-cache group"),
+    ]
+    for setup, why in refusals:
+        assert not setup.layerwise_loads  # type: ignore[attr-defined]
+        assert any(why in r.getMessage() and "layerwise_loads" in r.getMessage()
+                   for r in caplog.records), why
+
+
+class _Request:
+    def __init__(self, num_tokens: int) -> None:
+        self.request_id = "r"
+        self.num_tokens = num_tokens
+
+
+@pytest.mark.parametrize(("rest", "spec_tokens", "by_layer"),
+                         [(2, 0, True), (1, 0, False), (4, 3, False), (5, 3, True)])
+def test_a_hit_loads_by_layer_only_while_its_step_is_no_uniform_decode(
+        rest: int, spec_tokens: int, by_layer: bool) -> None:
+    """A step of nothing but 1 + speculative-token queries may replay a FULL CUDA graph,
+    which never calls the layer hook: such a hit is loaded parked."""
+    import dataclasses
+
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    setup = dataclasses.replace(_setup({"layerwise_loads": True}),  # type: ignore[type-var]
+                                decode_query_len=1 + spec_tokens)
+    side = SchedulerSide(setup)
+    assert side._loads_by_layer(_Request(512 + 256 + rest), 512, 256) is by_layer
