@@ -56,7 +56,8 @@ def test_a_load_waited_layer_by_layer_is_restored_and_never_a_finished_load() ->
     res = _forward(worker, [0, 1, 2])
     assert res.report.loads == {2: [1, 0]} and res.report.bytes_loaded > 0
     assert res.finished_loads == set() and res.failed_loads == set()
-    assert res.failed_blocks == set() and worker.layers_missed == 0
+    assert res.recompute_blocks == set() and res.failed_blocks == set()
+    assert worker.layers_missed == 0
     assert same(kv.attn_block(7) + kv.attn_block(8), want)
     assert worker.collect().is_empty()  # reported once
     worker.close()
@@ -74,7 +75,7 @@ def test_a_layer_read_before_its_wait_fails_the_blocks_in_the_same_step(layers: 
     res = _forward(worker, layers)
     assert res.report.loads == {2: [1, 0]} and res.finished_loads == set()
     missed = layers != [0]
-    assert res.failed_blocks == (set(ATTN_BLOCKS) if missed else set())
+    assert res.recompute_blocks == (set(ATTN_BLOCKS) if missed else set())
     assert worker.layers_missed == int(missed)
     assert worker.collect().is_empty()
     worker.close()
@@ -86,13 +87,13 @@ def test_a_failed_or_refused_load_by_layer_reports_its_blocks_in_its_step() -> N
     worker.begin_step(StepPlan(1, loads=[_by_layer(1, slot=10**6)]))  # no such slot
     worker.wait_layer(0)
     res = worker.collect()
-    assert res.report.loads == {1: [0, 1]} and res.failed_blocks == set(ATTN_BLOCKS)
+    assert res.report.loads == {1: [0, 1]} and res.recompute_blocks == set(ATTN_BLOCKS)
     assert res.finished_loads == set() and res.failed_loads == set()
     worker.refusing = "the store's pool is not mapped"
     worker.begin_step(StepPlan(2, loads=[_by_layer(2, blocks=(4, 5))]))
     worker.wait_layer(0)
     res = worker.collect()
-    assert res.report.loads == {2: [0, 1]} and res.failed_blocks == {4, 5}
+    assert res.report.loads == {2: [0, 1]} and res.recompute_blocks == {4, 5}
     assert worker.pending() == 0
     worker.close()
 
@@ -119,11 +120,12 @@ def test_a_load_never_reported_fails_its_blocks_and_its_late_report_goes_to_the_
         return engines[-1]
     worker = make_worker(kv, make, verify=False)
     res = _forward(worker, [0, 1, 2])
-    assert res.report.loads == {} and res.failed_blocks == set(ATTN_BLOCKS)
+    assert res.report.loads == {} and res.recompute_blocks == set(ATTN_BLOCKS)
     engines[0].answer = True
     later = [worker.collect() for _ in range(3)]
     assert [r.report.loads for r in later if r.report.loads] == [{2: [1, 0]}]
-    assert all(r.failed_blocks == set() and r.finished_loads == set() for r in later)
+    assert all(not r.recompute_blocks and not r.failed_blocks and not r.finished_loads
+               for r in later)
     worker.close()
 
 
@@ -136,7 +138,7 @@ def test_a_lost_notice_is_asked_for_while_the_forward_waits() -> None:
     assert {1: [1, 0]} in saved
     kv.wipe()
     res = _forward(worker, [0, 1, 2])
-    assert res.report.loads == {2: [1, 0]} and res.failed_blocks == set()
+    assert res.report.loads == {2: [1, 0]} and res.recompute_blocks == set()
     assert same(kv.attn_block(7) + kv.attn_block(8), want)
     worker.close()
 
@@ -171,14 +173,14 @@ def test_the_gpu_engine_bands_restore_a_load_by_layer(monkeypatch: pytest.Monkey
     assert layered.loads.next == 1  # layer 1's band not waited for yet
     worker.wait_layer(1)
     res = worker.collect()
-    assert res.report.loads == {2: [1, 0]} and res.failed_blocks == set()
+    assert res.report.loads == {2: [1, 0]} and res.recompute_blocks == set()
     assert res.finished_loads == set()
     assert same(kv.attn_block(7) + kv.attn_block(8), want)
     # the next step's forward skips layer 1's wait: every block of its load is recomputed
     worker.begin_step(StepPlan(3, loads=[_by_layer(3, blocks=(9, 10))]))
     worker.wait_layer(0)
     res = worker.collect()
-    assert res.report.loads == {3: [1, 0]} and res.failed_blocks == {9, 10}
+    assert res.report.loads == {3: [1, 0]} and res.recompute_blocks == {9, 10}
     worker.close()
 
 
@@ -234,3 +236,28 @@ def test_a_hit_loads_by_layer_only_while_its_step_is_no_uniform_decode(
                                 decode_query_len=1 + spec_tokens)
     side = SchedulerSide(setup)
     assert side._loads_by_layer(_Request(512 + 256 + rest), 512, 256) is by_layer
+
+
+def test_saves_of_a_step_whose_load_by_layer_is_recomputed_fail() -> None:
+    """The forward read wrong bytes where vLLM recomputes: nothing it computed in that step
+    is saved (any request of the batch may share those blocks); a good step saves."""
+    kv = SmallKV(seed=17)
+    worker = make_worker(kv, verify=False)
+    _saved(kv, worker)
+    save = Job(3, "r", [TransferOp(0, 1, [11, 12])])
+    plan = StepPlan(2, loads=[_by_layer(2)], saves=[save])
+    worker.begin_step(plan)  # no layer waited: a replayed graph
+    worker.end_step(plan)
+    worker.drain()
+    res = worker.collect()
+    assert res.recompute_blocks == set(ATTN_BLOCKS) and res.report.saves == {3: [0, 1]}
+    plan = StepPlan(3, loads=[_by_layer(4)], saves=[Job(5, "r", [TransferOp(0, 2, [13, 14])])])
+    worker.begin_step(plan)
+    for layer in (0, 1, 2):
+        worker.wait_layer(layer)
+    worker.end_step(plan)
+    worker.drain()
+    res = worker.collect()
+    assert res.recompute_blocks == set() and res.report.saves == {5: [1, 0]}
+    assert res.report.loads == {4: [1, 0]}
+    worker.close()

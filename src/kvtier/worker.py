@@ -98,12 +98,16 @@ class StepResult:
     failed_loads: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)  # block ids of failed loads
     report: WorkerReport = field(default_factory=WorkerReport)
+    # blocks of this step's layer-by-layer loads that vLLM must recompute (failed, or read
+    # before they landed): reported by block id in this step on every vLLM version
+    recompute_blocks: set[int] = field(default_factory=set)
 
     def merge(self, other: StepResult) -> StepResult:
         return StepResult(self.finished_loads | other.finished_loads,
                           self.failed_loads | other.failed_loads,
                           self.failed_blocks | other.failed_blocks,
-                          WorkerReport().add(self.report).add(other.report))
+                          WorkerReport().add(self.report).add(other.report),
+                          self.recompute_blocks | other.recompute_blocks)
 
     def is_empty(self) -> bool:
         """Nothing finished and nothing reported (most decode steps)."""
@@ -318,9 +322,10 @@ class OffloadWorker:
                 time.sleep(0.0002)
 
     def _settle_layered(self, step: LayeredStep, out: StepResult) -> None:
-        """Tell vLLM, in this step, which by-layer blocks it must recompute: those of failed
-        jobs (:meth:`_account`), of jobs still not done (an engine error, a lost notice: the
-        forward read them anyway), and of every job when a layer was read without its wait."""
+        """Tell vLLM, in this step, which by-layer blocks it must recompute
+        (:attr:`StepResult.recompute_blocks`): those of failed jobs (:meth:`_account`), of
+        jobs still not done (an engine error, a lost notice: the forward read them anyway),
+        and of every job when a layer was read without its wait."""
         if step.loads is not None:
             step.loads.synchronize()
         else:  # the host waited at the first layer; if no layer waited (a FULL graph): now
@@ -337,7 +342,7 @@ class OffloadWorker:
         for job in step.jobs:
             if missed or job.job_id in self._inflight:
                 self._settled.add(job.job_id)
-                out.failed_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
+                out.recompute_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
         # _settled keeps only jobs whose completion is still to come
         self._settled.intersection_update(self._inflight)
 
@@ -370,15 +375,31 @@ class OffloadWorker:
             raise ChunkCorrupt(f"DRAM {ChecksumMismatch(bad)}")
 
     def end_step(self, plan: StepPlan) -> None:
-        """After the forward: start this step's saves (never waited for here)."""
+        """After the forward: start this step's saves (never waited for here). With
+        layer-by-layer loads in the step, they are settled first: if vLLM must recompute
+        any of their blocks, this step's forward read wrong bytes there, and whatever it
+        computed from them (any request of the batch may share those blocks) is not saved:
+        every save of the step fails."""
+        tainted = None
+        layered, self._layered = self._layered, None
+        if layered is not None:
+            self._settle_layered(layered, self._early)
+            if self._early.recompute_blocks:
+                tainted = "computed in a step whose layer-by-layer load is recomputed"
         for job in plan.saves:
-            if self.refusing is not None:  # every rank: no rank's shard was written
+            if tainted is not None:
+                self._fail_save(job, tainted)
+            elif self.refusing is not None:  # every rank: no rank's shard was written
                 self._refuse(JobKind.SAVE, job)
             elif self.writes:
                 self._inflight[job.job_id] = self._collects
                 self.engine.save(job)
             else:
                 self._reported_nowrite.append(job)
+
+    def _fail_save(self, job: Job, why: str) -> None:
+        """Fail a save without running it, for ``why``; reported by the next collect."""
+        self._refused.append(Completion(job.job_id, JobKind.SAVE, False, 0, 0.0, why))
 
     def _refuse(self, kind: JobKind, job: Job) -> None:
         """Fail ``job`` without running it (:attr:`refusing` says why); reported by the next
@@ -456,7 +477,7 @@ class OffloadWorker:
         self.total_bytes_loaded += c.nbytes
         if job.by_layer:  # never parked: vLLM hears only of its failed blocks, once
             if not ok and job.job_id not in self._settled:
-                out.failed_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
+                out.recompute_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
             self._settled.discard(job.job_id)
             return
         out.finished_loads.add(req_id)

@@ -70,13 +70,19 @@ def test_negative_control_a_chunk_not_copied_fails_the_check(engine: Any) -> Non
 
 
 def test_a_failed_load_by_layer_is_recomputed_in_its_step(engine: Any) -> None:
+    """A chunk not copied and the load reported failed: the blocks hold the fill pattern
+    when the forward reads them, so only vLLM's recompute of them in the next step (told by
+    block id in this one) gives the same output."""
     stats = engine.kvtier.stats
     engine.faults.fail_loads = 1
+    engine.faults.skip_load_chunk = 0
     before = stats.loads_failed
     try:
         res = restore_check(engine, [prompt(3 * C + 5, seed=74)], greedy())
     finally:
         engine.faults.fail_loads = 0
+        engine.faults.skip_load_chunk = -1
+        engine.llm.reset_prefix_cache()
     (p,) = res.prompts
     assert stats.loads_failed - before == 1 and res.restored_tokens == 0
     assert p.tokens_equal and p.logprobs_equal  # vLLM recomputed the blocks: same output

@@ -280,9 +280,14 @@ class WorkerSide:
         return compat.transfer_results(set(res.finished_loads), set(res.failed_loads))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Parked loads' failed blocks where this vLLM takes them per block (0.25.1, one
+        group), and on every version the blocks of this step's layer-by-layer loads to
+        recompute (vLLM's synchronous loads: one group only, where both versions take them)."""
         groups = self.setup.groups
         n = groups.num_engine_groups if groups is not None else 1
-        return compat.failed_blocks_to_report(self._result.failed_blocks, n)
+        result = self._result
+        return (compat.failed_blocks_to_report(result.failed_blocks, n)
+                | result.recompute_blocks)
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         if self.worker is None:
