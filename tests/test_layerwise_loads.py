@@ -187,11 +187,12 @@ def test_the_gpu_engine_bands_restore_a_load_by_layer(monkeypatch: pytest.Monkey
 # --- where the setting can act (kvtier.vllm.setup.layerwise_loads) -------------------------
 
 def _setup(extra: dict[str, object], mamba: str | None = None,
-           cudagraph_mode: str | None = None) -> object:
+           cudagraph_mode: str | None = None, async_scheduling: bool = False) -> object:
     from kvtier.vllm.setup import set_up
     from tests.test_connector_startup import _configs
 
     cfg, kvc = _configs("recompute", {"dram_size": "8MiB", **extra}, mamba)
+    cfg.scheduler_config.async_scheduling = async_scheduling
     if cudagraph_mode is not None:
         from vllm.config import CUDAGraphMode
 
@@ -209,6 +210,7 @@ def test_the_setting_acts_only_where_vllm_reads_each_layer_after_its_wait(
         (_setup({"layerwise_loads": True}, cudagraph_mode="FULL"), "cudagraph_mode is FULL"),
         (_setup({"layerwise_loads": True, "verify_checksums": True}), "verify_checksums"),
         (_setup({"layerwise_loads": True}, mamba="align"), "more than one KV-cache group"),
+        (_setup({"layerwise_loads": True}, async_scheduling=True), "--no-async-scheduling"),
     ]
     for setup, why in refusals:
         assert not setup.layerwise_loads  # type: ignore[attr-defined]
@@ -239,8 +241,9 @@ def test_a_hit_loads_by_layer_only_while_its_step_is_no_uniform_decode(
 
 
 def test_saves_of_a_step_whose_load_by_layer_is_recomputed_fail() -> None:
-    """The forward read wrong bytes where vLLM recomputes: nothing it computed in that step
-    is saved (any request of the batch may share those blocks); a good step saves."""
+    """The forward read wrong bytes where vLLM recomputes: nothing it computed in that step,
+    or in the next (an asynchronous scheduler had scheduled it already), is saved (any
+    request of the batch may share those blocks); a later good step saves."""
     kv = SmallKV(seed=17)
     worker = make_worker(kv, verify=False)
     _saved(kv, worker)
@@ -251,7 +254,12 @@ def test_saves_of_a_step_whose_load_by_layer_is_recomputed_fail() -> None:
     worker.drain()
     res = worker.collect()
     assert res.recompute_blocks == set(ATTN_BLOCKS) and res.report.saves == {3: [0, 1]}
-    plan = StepPlan(3, loads=[_by_layer(4)], saves=[Job(5, "r", [TransferOp(0, 2, [13, 14])])])
+    plan = StepPlan(3, saves=[Job(6, "r", [TransferOp(0, 3, [15, 16])])])
+    worker.begin_step(plan)
+    worker.end_step(plan)
+    worker.drain()
+    assert worker.collect().report.saves == {6: [0, 1]}
+    plan = StepPlan(4, loads=[_by_layer(4)], saves=[Job(5, "r", [TransferOp(0, 2, [13, 14])])])
     worker.begin_step(plan)
     for layer in (0, 1, 2):
         worker.wait_layer(layer)

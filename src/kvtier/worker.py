@@ -223,6 +223,7 @@ class OffloadWorker:
         # by-layer jobs whose blocks vLLM was told about already (failed or not awaited):
         # their completion, whenever it comes, only goes to the scheduler half
         self._settled: set[int] = set()
+        self._tainted_until = -1  # the last step whose saves fail (see end_step)
         self.loads_by_layer = 0  # jobs loaded for their step's forward, layer by layer, ever
         self.layers_missed = 0  # steps whose forward read such a load's layer unwaited, ever
         self._layer_indexes = frozenset(s.layer_index for g in layout.groups
@@ -332,6 +333,10 @@ class OffloadWorker:
             self._wait_on_host([j.job_id for j in step.jobs], out)
         for c in self.engine.poll():
             self._take(c, out)
+        late = [j.job_id for j in step.jobs if j.job_id in self._inflight]
+        if late:  # done by now, their notices late or lost: ask (the engine's ground truth)
+            for c in self.engine.query(late):
+                self._take(c, out)
         missed = step.missed()
         if missed:
             self.layers_missed += 1
@@ -379,13 +384,17 @@ class OffloadWorker:
         layer-by-layer loads in the step, they are settled first: if vLLM must recompute
         any of their blocks, this step's forward read wrong bytes there, and whatever it
         computed from them (any request of the batch may share those blocks) is not saved:
-        every save of the step fails."""
-        tainted = None
+        every save of the step, and of the next (already scheduled by an asynchronous
+        scheduler), fails."""
         layered, self._layered = self._layered, None
         if layered is not None:
             self._settle_layered(layered, self._early)
             if self._early.recompute_blocks:
-                tainted = "computed in a step whose layer-by-layer load is recomputed"
+                # and the next step: an asynchronous scheduler scheduled it before vLLM
+                # learned of the blocks, so its forward reads them too
+                self._tainted_until = plan.step + 1
+        tainted = ("computed in or right after a step whose layer-by-layer load is recomputed"
+                   if plan.step <= self._tainted_until else None)
         for job in plan.saves:
             if tainted is not None:
                 self._fail_save(job, tainted)

@@ -62,7 +62,7 @@ def test_the_layerwise_configuration_restores_without_parking(tmp_path: Path) ->
            "--prefixes", "2", "--prefix-len", "256", "--per-prefix", "2", "--suffix-len", "64",
            "--output-len", "4", "--hbm-blocks", "14", "--dram-gib", "0.125", "--enforce-eager",
            "--kvtier-set", "cost_model=false", "--model-root", str(tmp_path),
-           "--configs", "big,kvtier-layerwise", "--out-dir", str(out)]
+           "--configs", "big,kvtier-layerwise", "--no-async-scheduling", "--out-dir", str(out)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

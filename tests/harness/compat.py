@@ -72,9 +72,11 @@ def model_config() -> ModelConfig:
 def extra_config(sc: Scenario) -> dict[str, Any]:
     state = {"state_size": sc.state_size} if sc.state_size else {}
     defer = {"cache_aware_admission": True, "defer_max_steps": 8} if sc.admission_defers else {}
+    layerwise = {"layerwise_loads": True} if sc.layerwise else {}
     return {
         **state,
         **defer,
+        **layerwise,
         "dram_size": sc.dram_size,
         "gpu_staging_size": sc.dram_size,
         "chunk_tokens": sc.chunk_tokens,
@@ -113,6 +115,9 @@ def vllm_config(sc: Scenario, extra: dict[str, Any] | None = None) -> VllmConfig
         parallel_config=ParallelConfig(tensor_parallel_size=sc.world_size),
     )
     cfg.cache_config.num_gpu_blocks = sc.num_blocks
+    # what real vLLM holds whenever the AsyncScheduler runs (make_scheduler picks it by the
+    # scenario; VllmConfig resolves the setting to False here, with no async executor)
+    cfg.scheduler_config.async_scheduling = sc.async_scheduling
     return cfg
 
 

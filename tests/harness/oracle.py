@@ -94,6 +94,8 @@ class Oracle:
     # state_reads (forwards that started from a restored or cached state)
     checked: Counter = field(default_factory=Counter)
     raise_on_violation: bool = True
+    # step -> blocks of that step's layer-by-layer loads some rank reported to recompute
+    recomputed: dict[int, set[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rank_reported = [set() for _ in range(self.scenario.world_size)]
@@ -144,6 +146,11 @@ class Oracle:
                            f"{sorted(failed - recving)} without finished_recving")
         tr = self.transport
         assert tr is not None
+        self._check_by_layer(rank, invalid)
+        engine = self.runners[rank].harness_engine()
+        recomputed = invalid & engine.by_layer_blocks
+        if recomputed:
+            self.recomputed.setdefault(tr.now, set()).update(recomputed)
         for req_id in sorted(recving):
             if req_id not in self.parked:
                 self.violation("stray_report", f"rank {rank} reported finished_recving for "
@@ -167,6 +174,31 @@ class Oracle:
                     self.violation("failure_hidden",
                                    f"rank {rank}: the load of {req_id} (job {bad[0].job.job_id}) "
                                    f"failed ({bad[0].outcome}) but was reported as loaded")
+
+    def _check_by_layer(self, rank: int, invalid: set[int]) -> None:
+        """``failure_hidden`` for layer-by-layer loads (never parked, never in
+        ``finished_recving``): every one whose copy ran on this rank by this report and
+        failed has its blocks among the invalid blocks of this very report."""
+        tr = self.transport
+        assert tr is not None
+        outcomes = tr.load_outcomes[rank]
+        for req_id in sorted(outcomes):
+            mine = [t for t in outcomes[req_id] if t.job.by_layer]
+            if not mine:
+                continue
+            outcomes[req_id] = [t for t in outcomes[req_id] if not t.job.by_layer]
+            if not outcomes[req_id]:
+                del outcomes[req_id]
+            for t in mine:
+                self.checked["by_layer_loads"] += 1
+                if t.completion is not None and t.completion.ok:
+                    continue
+                blocks = {b for op in t.job.ops for b in op.block_ids if b != SKIP}
+                if not blocks <= invalid:
+                    self.violation("failure_hidden",
+                                   f"rank {rank}: the layer-by-layer load of {req_id} (job "
+                                   f"{t.job.job_id}) failed ({t.outcome}) but blocks "
+                                   f"{sorted(blocks - invalid)} were not reported in its step")
 
     def on_merged_report(self, kv: Any) -> None:
         if kv is None:
@@ -288,10 +320,22 @@ class Oracle:
                            f"block {where} of group {op.group} as the state at {end} tokens, "
                            "but it holds another state")
 
+    def excused_blocks(self, step: int) -> set[int]:
+        """Blocks a forward of ``step`` may read with wrong bytes: this step's layer-by-layer
+        loads that some rank reports to recompute in this step (vLLM drops what the step
+        computed for the requests holding them). kvtier refuses layer-by-layer loads under
+        the AsyncScheduler, whose next step is scheduled before vLLM learns of them."""
+        return set(self.recomputed.get(step, ()))
+
     def on_save_run(self, t: Transfer) -> None:
         cache = self.runners[t.rank].cache
         changed = [b for b, tag in t.snapshot.items() if cache.tag(b) != tag]
-        if changed:
+        if changed and self.excused_blocks(t.submitted):
+            # computed in a step that read a recomputed layer-by-layer load: its rank's own
+            # saves failed there (kvtier.worker.OffloadWorker.end_step), so this chunk is never
+            # stored whole (every rank must write it); load_wrong_bytes guards that
+            self.checked["saves_after_recomputed_loads"] += 1
+        elif changed:
             self.violation("block_reused_during_save",
                            f"rank {t.rank} save job {t.job.job_id} ({t.job.req_id} chunk "
                            f"{t.job.chunk}) reads blocks {changed} that were rewritten after "
@@ -448,6 +492,9 @@ class Oracle:
             inflight = getattr(w, "_inflight", None)
             if inflight:
                 problems.append(f"rank {r}: worker still has jobs in flight {sorted(inflight)}")
+            if getattr(w, "_settled", None):
+                problems.append(f"rank {r}: worker still waits for settled layer-by-layer "
+                                f"loads {sorted(w._settled)}")
         if aggregator is not None and (aggregator._recv_remaining_count
                                        or getattr(aggregator, "_failed_recving_pending", None)):
             problems.append(f"aggregator holds partial reports {aggregator._recv_remaining_count}")

@@ -33,7 +33,7 @@ import torch
 
 from kvtier.load_retry import RetryingLoads
 from kvtier.slab import HostSlab
-from kvtier.transfer import TransferEngine
+from kvtier.transfer import TransferEngine, find_engine
 from kvtier.vllm import worker_side
 from kvtier.vllm.connector import KvtierConnector
 
@@ -109,11 +109,16 @@ class FakeCache:
     def mismatch(self, blocks: np.ndarray, offs: np.ndarray, chain: np.ndarray,
                  group: int = 0) -> int:
         """Index of the first position whose bytes differ in any layer of ``group``, or -1."""
+        idx = np.flatnonzero(self.mismatches(blocks, offs, chain, group))
+        return int(idx[0]) if len(idx) else -1
+
+    def mismatches(self, blocks: np.ndarray, offs: np.ndarray, chain: np.ndarray,
+                   group: int = 0) -> np.ndarray:
+        """Per position: whether its bytes differ in any layer of ``group``."""
         bad = np.zeros(len(chain), dtype=bool)
         for layer, w in self.views[group]:
             bad |= w[blocks, offs] != content.values(chain, layer, self.rank).view(np.int64)
-        idx = np.flatnonzero(bad)
-        return int(idx[0]) if len(idx) else -1
+        return bad
 
     def _state_values(self, group: int, chain_value: int) -> list[np.int64]:
         return [content.state_value(chain_value, layer, i % content.STATE_TENSORS, self.rank)
@@ -190,6 +195,10 @@ class FakeRunner:
         original.close()
         self.requests: dict[str, ReqState] = {}
         self.scheduler: Any = None  # set by the driver: checks the mirrored block tables
+        self.layer_names = [name for names in group_layers(self.kinds) for name in names]
+        # this step's reads that found wrong bytes, judged once the step's report is known:
+        # (req_id, first position, context length, blocks, wrong positions, group, tokens)
+        self._wrong_reads: list[tuple[Any, ...]] = []
 
     # -- request states ----------------------------------------------------------------------
     def _update_states(self, so: Any) -> None:
@@ -236,7 +245,9 @@ class FakeRunner:
             conn.start_load_kv(None)
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        self._wrong_reads = []
         if forward:
+            self._wait_for_layers()
             req_ids, sampled = self._forward(so)
         if not before:
             conn.start_load_kv(None)
@@ -249,12 +260,50 @@ class FakeRunner:
             res = conn.get_transfer_results(so.finished_req_ids)
             recving, failed = res.finished_recving, res.failed_recving
         invalid = conn.get_block_ids_with_load_errors()
+        self._judge_reads(set(invalid or ()))
         stats = conn.get_kv_connector_stats()
         meta_out = conn.build_connector_worker_meta()
         conn.clear_connector_metadata()
         kv = kv_output(set(recving or ()), set(failed or ()), set(invalid or ()), meta_out, stats)
         self.oracle.on_rank_report(self.rank, kv)
         return runner_output(req_ids, sampled, kv)
+
+    def _wait_for_layers(self) -> None:
+        """vLLM's attention hook, ``wait_for_layer_load`` per layer in order, before the fake
+        forward reads (it reads every layer at once). With ``skip_layer_wait`` a step with
+        layer-by-layer loads skips them all, as a replayed FULL CUDA graph would."""
+        f = self.transport.faults
+        if (f.skip_layer_wait_p and self.worker.loading_by_layer
+                and self.transport.rng.random() < f.skip_layer_wait_p):
+            self.transport.injected["skip_layer_wait"] += 1
+            return
+        for name in self.layer_names:
+            self.connector.wait_for_layer_load(name)
+
+    def harness_engine(self) -> HarnessEngine:
+        engine = find_engine(self.worker.engine, HarnessEngine)
+        assert engine is not None
+        return engine
+
+    def _judge_reads(self, invalid: set[int]) -> None:
+        """A read that found wrong bytes is a finding unless its block is one of this step's
+        layer-by-layer loads that this rank reports to recompute in this very step, or that
+        the oracle excuses (another rank's report, the AsyncScheduler's step after one: see
+        :meth:`Oracle.excused_blocks`); vLLM then drops what the step computed for the
+        requests holding them. Every other wrong position is still a finding."""
+        tolerated = (invalid & self.harness_engine().by_layer_blocks) | (
+            self.oracle.excused_blocks(self.transport.now))
+        for req_id, first, nc, blocks, wrong, g, tokens in self._wrong_reads:
+            excused = np.isin(blocks, list(tolerated)) if tolerated else np.zeros(len(blocks),
+                                                                                   bool)
+            if (wrong & excused).any():
+                self.oracle.checked["by_layer_reads_recomputed"] += 1
+            bad = np.flatnonzero(wrong & ~excused)
+            if len(bad):
+                at = int(bad[0])
+                self.oracle.wrong_read(self.rank, req_id, first + at, int(blocks[at]), nc,
+                                       tokens, g)
+        self._wrong_reads = []
 
     def _forward(self, so: Any) -> tuple[list[str], list[list[int]]]:
         req_ids, sampled = [], []
@@ -293,10 +342,9 @@ class FakeRunner:
         table = st.block_ids[g]
         if nc > first:
             blocks, offs = positions(table, first, nc)
-            bad = self.cache.mismatch(blocks, offs, chain[first:nc], g)
-            if bad >= 0:
-                self.oracle.wrong_read(self.rank, req_id, first + bad, int(blocks[bad]), nc,
-                                       st.tokens[:nc], g)
+            wrong = self.cache.mismatches(blocks, offs, chain[first:nc], g)
+            if wrong.any():
+                self._wrong_reads.append((req_id, first, nc, blocks, wrong, g, st.tokens[:nc]))
         blocks, offs = positions(table, nc, end)
         if (blocks == NULL_BLOCK).any():
             self.oracle.violation("harness", f"rank {self.rank}: {req_id} writes positions "

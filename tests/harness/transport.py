@@ -44,6 +44,7 @@ class Transfer:
     job: Job
     mover: ChunkMover
     ready: tuple[int, int]  # (step, phase): runs at the first hook at or after it
+    submitted: int = 0  # the step it was submitted in
     outcome: str = "ok"  # "ok" | "fail" | "partial"
     salt: object = None  # saves: the cache_salt of the request it saves for
     snapshot: dict[int, int] = field(default_factory=dict)  # saves: block -> write tag
@@ -105,7 +106,8 @@ class Transport:
         delay += self._late(rank)
         phase = rng.randrange(2)
         self._tid += 1
-        t = Transfer(self._tid, rank, kind, job, mover, (self.now + delay, phase))
+        t = Transfer(self._tid, rank, kind, job, mover, (self.now + delay, phase),
+                     submitted=self.now)
         if kind == "load":
             n = self._attempts[(rank, job.job_id)] = self._attempts.get((rank, job.job_id), 0) + 1
             cap = self.failable_load_attempts
@@ -270,6 +272,23 @@ class Transport:
         self._by_job[rank].pop(job_id, None)
 
 
+class HarnessLayerLoads:
+    """A step's layer-by-layer loads: a layer's wait runs their copies (as a device stream's
+    wait lets the forward read only after them); their notices still come as the fault plan
+    says (late, twice, never)."""
+
+    def __init__(self, transport: Transport, rank: int, job_ids: list[int]) -> None:
+        self.transport = transport
+        self.rank = rank
+        self.job_ids = job_ids
+
+    def wait_layer(self, layer_index: int) -> None:
+        self.transport.run_jobs(self.rank, self.job_ids)
+
+    def synchronize(self) -> None:
+        self.transport.run_jobs(self.rank, self.job_ids)
+
+
 class HarnessEngine(TransferEngine):
     """kvtier's view of the transport for one rank. Passes notices through as they come."""
 
@@ -277,6 +296,15 @@ class HarnessEngine(TransferEngine):
         self.transport = transport
         self.rank = rank
         self.mover = mover
+        # the blocks this step's layer-by-layer loads write (the forward may read them
+        # before a failed one is reported: tolerated only where it is, in that step)
+        self.by_layer_blocks: set[int] = set()
+
+    def load_by_layer(self, jobs: Sequence[Job]) -> HarnessLayerLoads:
+        for job in jobs:
+            self.transport.submit(self.rank, "load", job, self.mover)
+            self.by_layer_blocks.update(b for op in job.ops for b in op.block_ids if b != SKIP)
+        return HarnessLayerLoads(self.transport, self.rank, [j.job_id for j in jobs])
 
     def save(self, job: Job) -> None:
         self.transport.submit(self.rank, "save", job, self.mover)
@@ -291,6 +319,7 @@ class HarnessEngine(TransferEngine):
         return self.transport.run_jobs(self.rank, job_ids)
 
     def tick(self) -> None:
+        self.by_layer_blocks = set()
         self.transport.run(self.rank, 0)
 
     def poll(self) -> list[Completion]:

@@ -51,6 +51,8 @@ class FaultPlan:
     late_rank: int | None = None  # this rank's copies and notices run late_steps later
     late_steps: int = 0
     lone_fail_rank: int | None = None  # load failures happen on this rank only
+    # layer-by-layer loads: a step's forward skips every layer wait (a replayed CUDA graph)
+    skip_layer_wait_p: float = 0.0
 
     def kinds(self) -> list[str]:
         out = []
@@ -64,6 +66,8 @@ class FaultPlan:
             out.append("late_rank")
         if self.lone_fail_rank is not None:
             out.append("lone_fail_rank")
+        if self.skip_layer_wait_p > 0:
+            out.append("skip_layer_wait")
         return out
 
     def max_lateness(self) -> int:
@@ -115,6 +119,7 @@ class Scenario:
     sliding_window: int = 0  # tokens, for "swa" groups
     state_size: str | None = None  # kvtier's state_size (None: its default)
     admission_defers: bool = False  # kvtier's cache_aware_admission
+    layerwise: bool = False  # kvtier's layerwise_loads (one full-attention group only)
 
     @property
     def group_set(self) -> str:
@@ -132,7 +137,8 @@ class Scenario:
                 f"{'v2 ' if self.v2_runner else ''}{self.policy}/"
                 f"{self.admission}/{self.sched_policy} reqs={len(self.requests)} "
                 f"resets={self.resets} faults={self.faults.kinds()} tags={self.tags}"
-                + (" admission" if self.admission_defers else ""))
+                + (" admission" if self.admission_defers else "")
+                + (" layerwise" if self.layerwise else ""))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -280,7 +286,12 @@ def make_scenario(
     window = 0
     if "swa" in groups:  # shorter and longer than a chunk, not always a multiple of it
         window = rng.choice((16, 32, 48, 64, 96))
+    # drawn last, so every earlier draw (and the seeds of earlier findings) stays as it was
+    layerwise = groups == ("full",) and rng.random() < 0.3
+    if layerwise and rng.random() < 0.3:
+        faults.skip_layer_wait_p = 0.2
     return Scenario(
+        layerwise=layerwise,
         seed=seed, async_scheduling=async_scheduling, world_size=world_size, v2_runner=v2_runner,
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
         chunk_tokens=chunk_tokens, dram_size=dram_size, max_pending_saves=max_pending_saves,

@@ -91,6 +91,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="vLLM's synchronous scheduler in every run (what kvtier-layerwise "
+                   "needs; the others are measured beside it under the same scheduler)")
     p.add_argument("--kvtier-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a kvtier setting of the kvtier runs (repeatable; JSON values)")
     p.add_argument("--model-root", default="/tmp", help="where the dummy model folders go")
@@ -138,6 +141,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.prefix_len + args.suffix_len + args.output_len + shape["block_size"],
         num_gpu_blocks_override=blocks, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=True)
+    if args.no_async_scheduling:
+        kw["async_scheduling"] = False
     if args.shape != "tiny":
         kw["gpu_memory_utilization"] = 0.85
     if args.max_num_seqs:

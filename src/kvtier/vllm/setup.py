@@ -99,9 +99,10 @@ def layerwise_loads(config: KvtierConfig, vllm_config: Any, groups: EngineGroups
     reports a failed synchronous load by block id for one group only, and several groups
     cannot report at all there), plain attention (a state or window group is read whole by
     other kernels), no EAGLE/MTP drafts (their draft layers' KV is not on the same hook),
-    checksums off (a load is verified per chunk, not per layer) and no CUDA graph that holds
-    a whole forward of a batch that is not a uniform decode (a replayed FULL graph never
-    calls the hook: only ``cudagraph_mode`` FULL does that)."""
+    checksums off (a load is verified per chunk, not per layer), synchronous scheduling (a
+    failed load's next step is already scheduled under the asynchronous scheduler) and no
+    CUDA graph that holds a whole forward of a batch that is not a uniform decode (a replayed
+    FULL graph never calls the hook: only ``cudagraph_mode`` FULL does that)."""
     why = None
     if len(groups.specs) != 1 or groups.specs[0].kind is not GroupKind.FULL:
         why = "the model has more than one KV-cache group, or one that is not plain attention"
@@ -111,6 +112,14 @@ def layerwise_loads(config: KvtierConfig, vllm_config: Any, groups: EngineGroups
         why = "EAGLE/MTP drafts run"
     elif config.verify_checksums:
         why = "verify_checksums is on (a restore is verified per chunk, not per layer)"
+    elif getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        # Found by the fault-injection harness (vLLM 0.32, two ranks, a failed load, then a
+        # preemption): the asynchronous scheduler had already scheduled the next step, whose
+        # token vLLM later replaced, while the blocks kept the KV of the first one; a chunk
+        # saved from them would hold KV of other tokens than its key's
+        why = ("vLLM schedules asynchronously (a failed layer-by-layer load can leave blocks "
+               "whose KV belongs to tokens vLLM replaced); start vLLM with "
+               "--no-async-scheduling to use it")
     elif _mixed_batches_full_graph(vllm_config):
         why = ("cudagraph_mode is FULL: a replayed graph of a whole forward skips the layer "
                "waits (FULL_AND_PIECEWISE, vLLM's default, is fine)")
