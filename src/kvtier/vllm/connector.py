@@ -141,7 +141,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # loads were started when the step's metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker_side.wait_for_layer_load(layer_name)
+        # vLLM calls this before every attention layer of every step: one attribute read
+        # unless this step's forward reads layer-by-layer loads
+        if self.worker_side.layer_waits:
+            self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -86,6 +86,8 @@ class WorkerSide:
         self._counts: dict[str, Any] = {}
         self._observations: dict[str, list[float]] = {}
         self.store_mapping: StoreMapping | None = None  # with store_url
+        # this step's forward must wait per layer (layer-by-layer loads were begun at bind)
+        self.layer_waits = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         setup = self.setup
@@ -224,6 +226,7 @@ class WorkerSide:
             self._fenced_step = plan.step
         self.worker.begin_step(plan)  # loads start before the forward, on their own thread
         self._begun_step = plan.step
+        self.layer_waits = self.worker.loading_by_layer
 
     def _follow_store(self, plan: StepPlan) -> None:
         """On a new store epoch, move the slab to the store's new pool (after the jobs in
@@ -243,13 +246,14 @@ class WorkerSide:
                            mapping.why)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """vLLM is about to run the attention of ``layer_name`` (every layer, every step:
-        nothing to do unless this step loads layer by layer)."""
+        """vLLM is about to run the attention of ``layer_name`` (the connector calls this
+        only while :attr:`layer_waits`)."""
         worker = self.worker
         if worker is not None and worker.loading_by_layer:
             worker.wait_layer(_layer_index(layer_name))
 
     def wait_for_save(self, connector_metadata: Any) -> None:
+        self.layer_waits = False  # the forward is over
         if self.worker is None:
             return
         plan, _ = self._step_plan(connector_metadata)
@@ -257,6 +261,8 @@ class WorkerSide:
             self.worker.end_step(plan)  # queued, not waited for
 
     def _collect(self) -> StepResult:
+        self.layer_waits = False  # the forward is over (vLLM 0.25.1 skips wait_for_save
+        # on steps without one)
         if self.worker is None:
             return StepResult()
         res = self.worker.collect()
