@@ -55,6 +55,7 @@ def test_a_load_waited_layer_by_layer_is_restored_and_never_a_finished_load() ->
     want = _saved(kv, worker)
     res = _forward(worker, [0, 1, 2])
     assert res.report.loads == {2: [1, 0]} and res.report.bytes_loaded > 0
+    assert res.report.loads_by_layer == 1 and res.report.layer_waits_missed == 0
     assert res.finished_loads == set() and res.failed_loads == set()
     assert res.recompute_blocks == set() and res.failed_blocks == set()
     assert worker.layers_missed == 0
@@ -76,7 +77,7 @@ def test_a_layer_read_before_its_wait_fails_the_blocks_in_the_same_step(layers: 
     assert res.report.loads == {2: [1, 0]} and res.finished_loads == set()
     missed = layers != [0]
     assert res.recompute_blocks == (set(ATTN_BLOCKS) if missed else set())
-    assert worker.layers_missed == int(missed)
+    assert worker.layers_missed == res.report.layer_waits_missed == int(missed)
     assert worker.collect().is_empty()
     worker.close()
 

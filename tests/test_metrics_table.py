@@ -27,6 +27,7 @@ STATS_KEYS = {
     "transfer_failures", "fences", "fences_waited", "unsaveable_requests", "resets",
     "gauge_slots_used", "gauge_slots_total", "gauge_chunk_tokens",
     "checksum_failures", "corrupt_chunks",  # added with verified restores (issue 12 item 10)
+    "loads_by_layer", "layer_waits_missed",  # added with layerwise_loads (issue 15)
     "prepares", "prepare_deferrals",
     "prepare_timeouts",  # one bound for verification and disk promotion (issue 16)
     # the disk tier's (issue 16)
@@ -49,6 +50,7 @@ METRIC_NAMES = {
     "saves_dropped", "evictions", "transfer_bytes", "transfer_seconds", "transfer_jobs",
     "transfer_gbps", "transfer_failures", "fences", "fences_waited", "unsaveable_requests",
     "resets", "slots_used", "slots_total", "occupancy", "chunk_tokens",
+    "loads_by_layer", "layer_waits_missed",  # added with layerwise_loads (issue 15)
     "checksum_failures", "corrupt_chunks", "prepares",  # added with verified restores
     "disk_hits", "disk_demotions", "disk_promotions", "disk_checksum_failures", "disk_full",
     "disk_deferrals", "disk_bytes", "disk_seconds", "disk_gbps", "disk_chunks_stored",

@@ -136,6 +136,10 @@ class WorkerReport:
     store_seconds: float = 0.0
     load_seconds: float = 0.0
     fences_waited: int = 0
+    # layer-by-layer loads begun, and steps whose forward read such a load's layer without
+    # its wait (its blocks were then recomputed), summed over ranks
+    loads_by_layer: int = 0
+    layer_waits_missed: int = 0
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
     jobs: list[tuple[str, int, float]] = field(default_factory=list)
     tiers: dict[str, TierReport] = field(default_factory=dict)  # per lower tier's name
@@ -160,6 +164,8 @@ class WorkerReport:
         self.store_seconds += other.store_seconds
         self.load_seconds += other.load_seconds
         self.fences_waited += other.fences_waited
+        self.loads_by_layer += other.loads_by_layer
+        self.layer_waits_missed += other.layer_waits_missed
         self.jobs.extend(other.jobs)
         for name, rep in other.tiers.items():
             self.tiers.setdefault(name, TierReport()).add(rep)

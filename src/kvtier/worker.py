@@ -274,6 +274,7 @@ class OffloadWorker:
         """Start this step's layer-by-layer loads (refused ones already failed)."""
         running = [j for j in jobs if j.job_id in self._inflight]
         self.loads_by_layer += len(jobs)
+        self._early.report.loads_by_layer += len(jobs)
         loads = self.engine.load_by_layer(running) if running else None
         if loads is None:
             for job in running:
@@ -340,6 +341,7 @@ class OffloadWorker:
         missed = step.missed()
         if missed:
             self.layers_missed += 1
+            out.report.layer_waits_missed += 1
             if self.layers_missed <= 20 or self.layers_missed % 100 == 0:
                 logger.warning("kvtier rank %d: the forward read layers %s without waiting "
                                "for their layer-by-layer load (%d so far); vLLM recomputes "

@@ -34,6 +34,14 @@ old label, so a sum over ``direction`` must select ``direction=~"store|load"``.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m kvtier.vllm.counters > the generated table
+    # the package's own module, not this __main__ copy: kvtier.vllm.remote_metrics imports
+    # that one, and this copy's import of remote_metrics below would find it half made
+    from kvtier.vllm.counters import render_markdown
+
+    print(render_markdown(), end="")
+    raise SystemExit(0)
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +226,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("transfer_failures", COUNTER, WORKER,
            "Worker transfer jobs that failed (the load is recomputed, the save dropped).",
            series=_one("transfer_failures", _failures)),
+    Metric("loads_by_layer", COUNTER, WORKER,
+           "Loads restored layer by layer inside the step that computes the rest of their "
+           "prompt (layerwise_loads), summed over ranks.",
+           series=_one("loads_by_layer", lambda r: r.loads_by_layer)),
+    Metric("layer_waits_missed", COUNTER, WORKER,
+           "Steps whose forward read a layer of a layer-by-layer load before waiting for it, "
+           "summed over ranks: vLLM recomputed those blocks. Above 0, an attention path or a "
+           "CUDA graph skips vLLM's layer hook: turn layerwise_loads off.",
+           series=_one("layer_waits_missed", lambda r: r.layer_waits_missed)),
     Metric("checksum_failures", COUNTER, WORKER,
            "Loads (and pre-promise verifications) whose stored bytes did not match their "
            "checksum, per rank: the load failed and vLLM recomputed, the chunks were dropped.",
@@ -508,6 +525,3 @@ def _bound(b: float, in_bytes: bool) -> str:
             return f"{b / size:g} {unit}"
     return f"{b:g} B"
 
-
-if __name__ == "__main__":  # python -m kvtier.vllm.counters > the generated table
-    print(render_markdown(), end="")
