@@ -352,6 +352,10 @@ class OffloadWorker:
                 out.recompute_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
         # _settled keeps only jobs whose completion is still to come
         self._settled.intersection_update(self._inflight)
+        if out.recompute_blocks:
+            # this step's forward read wrong bytes there, and so does the next one's where a
+            # scheduler planned it before vLLM learned of them: neither step's saves run
+            self._tainted_until = self.step + 1
 
     def _submit_tier(self, plan: TierPlan) -> None:
         """Queue a lower tier's jobs on its own I/O thread (never waited for here)."""
@@ -391,10 +395,6 @@ class OffloadWorker:
         layered, self._layered = self._layered, None
         if layered is not None:
             self._settle_layered(layered, self._early)
-            if self._early.recompute_blocks:
-                # and the next step: an asynchronous scheduler scheduled it before vLLM
-                # learned of the blocks, so its forward reads them too
-                self._tainted_until = plan.step + 1
         tainted = ("computed in or right after a step whose layer-by-layer load is recomputed"
                    if plan.step <= self._tainted_until else None)
         for job in plan.saves:
