@@ -202,7 +202,7 @@ def _setup(extra: dict[str, object], mamba: str | None = None,
 
 
 def test_the_setting_acts_only_where_vllm_reads_each_layer_after_its_wait(
-        caplog: pytest.LogCaptureFixture) -> None:
+        kvtier_caplog: pytest.LogCaptureFixture) -> None:
     assert not _setup({}).layerwise_loads  # type: ignore[attr-defined]
     assert _setup({"layerwise_loads": True}).layerwise_loads  # type: ignore[attr-defined]
     for mode in ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE", "FULL_DECODE_ONLY"):
@@ -216,7 +216,7 @@ def test_the_setting_acts_only_where_vllm_reads_each_layer_after_its_wait(
     for setup, why in refusals:
         assert not setup.layerwise_loads  # type: ignore[attr-defined]
         assert any(why in r.getMessage() and "layerwise_loads" in r.getMessage()
-                   for r in caplog.records), why
+                   for r in kvtier_caplog.records), why
 
 
 class _Request:
