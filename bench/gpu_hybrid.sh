@@ -61,9 +61,15 @@ elif [ "$STAGE" = gain ]; then
     n=0
     for c in ${CONFIGS:-hbm kvtier native big}; do
         n=$((n + 1))
-        # kvtier-admit: kvtier with cache-aware admission (cache_aware_admission)
+        # kvtier-admit: kvtier with cache-aware admission (cache_aware_admission);
+        # kvtier-layerwise: layer-by-layer restores (layerwise_loads), which need vLLM's
+        # synchronous scheduler; native-sync: native offloading on that scheduler too
         extra=()
-        [ "$c" = kvtier-admit ] && extra=(--kvtier-config cache_aware_admission=true)
+        case "$c" in
+            kvtier-admit) extra=(--kvtier-config cache_aware_admission=true) ;;
+            kvtier-layerwise) extra=(--kvtier-config layerwise_loads=true --no-async-scheduling) ;;
+            native-sync) extra=(--no-async-scheduling) ;;
+        esac
         # in-process engine core: the autotune limit applies and kvtier's counters are read
         # the first engine on a fresh machine JIT-compiles every FLA/Triton kernel in its
         # untimed warm-up (H200 session 6: Kimi-Linear's first engine was still compiling at

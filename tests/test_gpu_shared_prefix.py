@@ -90,6 +90,24 @@ def test_each_configuration_gets_its_offload(tmp_path: pathlib.Path) -> None:
         assert "kv_transfer_config" not in kw and "kv_offloading_size" not in kw
 
 
+def test_layerwise_runs_take_the_synchronous_scheduler(tmp_path: pathlib.Path) -> None:
+    """bench/gpu_hybrid.sh's kvtier-layerwise and native-sync: kvtier refuses layerwise_loads
+    under the asynchronous scheduler, so both sides of that pair run the synchronous one."""
+    tool = _tool()
+    base = ["--model", "minimax-m3", "--out", str(tmp_path / "o.json"),
+            "--model-dir", str(tmp_path / "m")]
+    for config, extra in (("kvtier", ["--kvtier-config", "layerwise_loads=true"]),
+                          ("native", [])):
+        args = tool.parse_args([*base, "--config", config, *extra, "--no-async-scheduling"])
+        kw, _ = tool.engine_kwargs(args)
+        assert kw["async_scheduling"] is False
+        if config == "kvtier":
+            extra_config = kw["kv_transfer_config"].kv_connector_extra_config
+            assert extra_config["layerwise_loads"] is True
+    plain, _ = tool.engine_kwargs(tool.parse_args([*base, "--config", "native"]))
+    assert "async_scheduling" not in plain  # vLLM's default otherwise
+
+
 def test_the_seed_declarations_stay_as_declared(tmp_path: pathlib.Path) -> None:
     tool = _tool()
     declared = json.dumps(SEED_MODELS["minimax_m3"].engine_args, sort_keys=True)

@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hbm-blocks", type=int, default=None,
                     help="HBM prefix-cache blocks (default: the model's, MODELS)")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="vLLM's synchronous scheduler (what kvtier's layerwise_loads needs)")
     ap.add_argument("--dram-gib", type=int, default=48)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default="/tmp/llama8b-shape")
@@ -195,6 +197,8 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         kw["kv_offloading_size"] = float(args.dram_gib)
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
+    if args.no_async_scheduling:
+        kw["async_scheduling"] = False
     kw.update(load_format="dummy", skip_tokenizer_init=True, seed=0,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
               max_model_len=args.prefix_len + args.suffix_len + args.output_len + 256,
@@ -289,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "config": args.config, "model": args.model, "tp": args.tp,
         "kvtier_config": settings(args.kvtier_config), "hbm_blocks": args.hbm_blocks,
+        "async_scheduling": not args.no_async_scheduling,
         "enforce_eager": args.enforce_eager, "vllm": __import__("vllm").__version__,
         "vllm_fixes": fixes,
         "engine_start_s": start_s, "wall_s": wall, "input_tokens": n_in,
