@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from kvtier.planner import Decline
 from kvtier.protocol import WorkerReport
 from kvtier.vllm.counters import HISTOGRAMS, METRICS, worker_observations
 from kvtier.vllm.prom import KvtierPromMetrics
+from kvtier.vllm.scheduler_side import STATS_REFRESH_STEPS
 from kvtier.vllm.stats import MAX_OBSERVATIONS, KvtierStats, add_observations, stats_payload
 from kvtier.vllm.timings import SchedulerTimings
 
@@ -254,8 +256,9 @@ def test_a_payload_is_the_changed_counters_deltas_and_every_gauge(
 
 def test_a_step_where_no_counter_moved_sends_no_scheduler_stats() -> None:
     """Most decode steps change nothing kvtier counts: the scheduler side then returns no
-    payload at all (a gauge-only one is dropped by vLLM: KvtierStats.is_empty), and the next
-    change still arrives as its delta since the last payload sent. Through vLLM's real
+    payload at all (a gauge-only one is dropped by vLLM: KvtierStats.is_empty), and does not
+    even read the counters while no hook saw activity; the next change still arrives as its
+    delta since the last payload sent. Through vLLM's real
     scheduler (the harness), after two requests ran."""
     import random
 
@@ -276,10 +279,20 @@ def test_a_step_where_no_counter_moved_sends_no_scheduler_stats() -> None:
         side.stats()  # whatever the run left unreported
         assert side.stats() == {}  # nothing moved since
         assert drv.sched.connector.get_kv_connector_stats() is None
+        # a change no hook saw (as a lower tier's own thread makes): a quiet step does not
+        # read the counters, and the periodic read brings the delta, STATS_REFRESH_STEPS late
         side.scheduler.stats.fences += 3
-        delta = side.stats()
+        reads = [side.stats() for _ in range(STATS_REFRESH_STEPS + 1)]
+        arrived = [i for i, r in enumerate(reads) if r]
+        assert len(arrived) == 1 and arrived[0] >= 1, arrived  # late, never lost
+        delta = reads[arrived[0]]
         assert delta["fences"] == 3, delta
         assert any(k.startswith("gauge_") for k in delta)  # levels ride along with a change
+        assert side.stats() == {}
+        # a hook that saw activity (a finished request) makes the next step read at once
+        side.scheduler.stats.fences += 2
+        side.request_finished(SimpleNamespace(request_id="gone"))
+        assert side.stats()["fences"] == 2
         assert side.stats() == {}
     finally:
         drv.close()

@@ -54,6 +54,13 @@ MAX_GEOMETRY_DEFERRALS = 200
 """Lookups deferred while waiting for the handshake; after that kvtier answers 0 (never hang a
 request on a missing handshake)."""
 
+STATS_REFRESH_STEPS = 32
+"""Quiet steps (:meth:`SchedulerSide.stats` calls with no lookup, load, save, report or finished
+request seen since the last read) after which the counters are read anyway. Reading them
+costs more than the rest of a decode step's scheduler-side hooks together, so a quiet step
+skips it; what moves without a hook (a lower tier's own threads, a save dropped for want of a
+slot) then shows at most this many steps late, its delta never lost."""
+
 
 class SchedulerSide:
     def __init__(self, setup: ConnectorSetup) -> None:
@@ -66,6 +73,9 @@ class SchedulerSide:
         self._last_output = time.monotonic()
         self._prefill_tokens = 0
         self._last_counts: dict[str, Any] = {}
+        # something the counters count may have moved since they were last read (stats)
+        self._moved = True
+        self._quiet_reads = 0
         # requests vLLM scheduled before the scheduler half existed: their block tables are
         # unknown, so nothing is saved from them until a step hands over a full table
         self._blind: set[str] = set()
@@ -113,6 +123,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        self._moved = True  # a lookup (counted), or one deferred
         if self._attention_missing_at_local_hit(request, num_computed_tokens):
             return None, False  # asked again next step, at a hit every group holds
         if self._admission_defers(request, num_computed_tokens):
@@ -226,6 +237,7 @@ class SchedulerSide:
         groups = self.setup.groups
         by_layer = request.request_id in self._by_layer
         self._by_layer.discard(request.request_id)
+        self._moved = True
         if self.scheduler is None or num_external_tokens == 0 or groups is None:
             return False
         block_ids = groups.to_kvtier(blocks.get_block_ids())
@@ -245,6 +257,7 @@ class SchedulerSide:
         return tuple(self.setup.groups.engine_ids)  # every group kvtier restores, state too
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._moved = True
         self.requests.pop(request.request_id, None)
         self._blind.discard(request.request_id)
         self._by_layer.discard(request.request_id)
@@ -279,6 +292,13 @@ class SchedulerSide:
         # nothing computes this step (every running request waits for a load, a lookup for a
         # promotion): the workers may block a little for what is in flight (IDLE_WAIT_S)
         plan.idle = not scheduler_output.num_scheduled_tokens
+        chunk = sched.geometry.chunk_tokens
+        if (step.new or self._prefill_tokens or plan.loads or plan.saves or plan.verifies
+                or plan.tiers or plan.fence or plan.reset
+                or any(s.computed_before is None
+                       or s.computed_after // chunk != s.computed_before // chunk
+                       for s in step.scheduled)):  # a chunk filled: saved, or dropped
+            self._moved = True  # else a decode step with nothing to count
         if self.admission is not None:
             self.admission.step_planned(scheduler_output, sched.loads_in_flight(),
                                         sched.producing_chunks())
@@ -313,6 +333,8 @@ class SchedulerSide:
         if self.scheduler is not None:
             if self.setup.loads_must_not_fail:
                 self._recover_failed_loads(wm)
+            if not wm.report.empty() or wm.report.checksum_failures or wm.report.tiers:
+                self._moved = True
             self.scheduler.on_report(wm.report)
             now = time.monotonic()
             self.scheduler.observe_step(now - self._last_output, self._prefill_tokens)
@@ -363,6 +385,7 @@ class SchedulerSide:
                                           if setup.config.store_url else None)
         for req in list(self.requests.values()):
             self._ensure_request(req)
+        self._moved = True  # the gauges exist from now on
         logger.info("kvtier: %d chunk slots per group of %d tokens, %s%s",
                     slab_layout.classes[0].num_slots, geometry.chunk_tokens,
                     [c.name for c in slab_layout.classes],
@@ -377,7 +400,14 @@ class SchedulerSide:
         return self.scheduler.has_pending_work()
 
     def stats(self) -> dict[str, Any]:
-        """Counter deltas since the last call, and the gauges (:mod:`kvtier.vllm.counters`)."""
+        """Counter deltas since the last payload, and the gauges (:mod:`kvtier.vllm.counters`);
+        empty when nothing moved. vLLM calls this every step: a quiet one (no hook saw
+        activity since the last read) skips the read for up to :data:`STATS_REFRESH_STEPS`
+        calls."""
+        if not self._moved and self._quiet_reads < STATS_REFRESH_STEPS:
+            self._quiet_reads += 1
+            return {}
+        self._moved, self._quiet_reads = False, 0
         counts = scheduler_counts(self.scheduler) if self.scheduler is not None else {}
         if counts == self._last_counts:
             # nothing moved (most decode steps): the payload would hold gauges alone, which
@@ -397,6 +427,7 @@ class SchedulerSide:
             close_index(self.scheduler.index)
 
     def reset_cache(self) -> bool | None:
+        self._moved = True
         if self.scheduler is not None:
             self.scheduler.reset()
         return True
