@@ -63,11 +63,14 @@ elif [ "$STAGE" = gain ]; then
         n=$((n + 1))
         # kvtier-admit: kvtier with cache-aware admission (cache_aware_admission);
         # kvtier-layerwise: layer-by-layer restores (layerwise_loads), which need vLLM's
-        # synchronous scheduler; native-sync: native offloading on that scheduler too
+        # synchronous scheduler; kvtier-admit-layerwise: both; native-sync: native
+        # offloading on that scheduler too
         extra=()
         case "$c" in
             kvtier-admit) extra=(--kvtier-config cache_aware_admission=true) ;;
             kvtier-layerwise) extra=(--kvtier-config layerwise_loads=true --no-async-scheduling) ;;
+            kvtier-admit-layerwise) extra=(--kvtier-config cache_aware_admission=true
+                --kvtier-config layerwise_loads=true --no-async-scheduling) ;;
             native-sync) extra=(--no-async-scheduling) ;;
         esac
         # in-process engine core: the autotune limit applies and kvtier's counters are read
