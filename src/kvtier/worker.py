@@ -307,14 +307,9 @@ class OffloadWorker:
         pending = [j for j in job_ids if j in self._inflight]
         while pending:
             self.engine.wait(0.005)
-            for c in self.engine.poll():
-                self._take(c, out)
-            pending = [j for j in pending if j in self._inflight]
             waited = time.monotonic() - t0
-            if pending and waited > 0.05:  # a notice may be lost (the engine contract)
-                for c in self.engine.query(pending):
-                    self._take(c, out)
-                pending = [j for j in pending if j in self._inflight]
+            # past 50 ms ask the engine too: a notice may be lost (the engine contract)
+            pending = self._reap(out, pending, query=waited > 0.05)
             if pending:
                 if waited > LAYER_WAIT_LIMIT_S:
                     logger.error("kvtier rank %d: layer-by-layer loads %s not done after "
@@ -322,6 +317,19 @@ class OffloadWorker:
                                  pending, waited)
                     return
                 time.sleep(0.0002)
+
+    def _reap(self, out: StepResult, job_ids: list[int], query: bool) -> list[int]:
+        """Account every completion the engine noticed into ``out``; with ``query``, ask it
+        about those of ``job_ids`` still in flight as well (done, their notices late or
+        lost: the engine's ground truth). The jobs of ``job_ids`` still in flight."""
+        for c in self.engine.poll():
+            self._take(c, out)
+        pending = [j for j in job_ids if j in self._inflight]
+        if query and pending:
+            for c in self.engine.query(pending):
+                self._take(c, out)
+            pending = [j for j in pending if j in self._inflight]
+        return pending
 
     def _settle_layered(self, step: LayeredStep, out: StepResult) -> None:
         """Tell vLLM, in this step, which by-layer blocks it must recompute
@@ -332,12 +340,7 @@ class OffloadWorker:
             step.loads.synchronize()
         else:  # the host waited at the first layer; if no layer waited (a FULL graph): now
             self._wait_on_host([j.job_id for j in step.jobs], out)
-        for c in self.engine.poll():
-            self._take(c, out)
-        late = [j.job_id for j in step.jobs if j.job_id in self._inflight]
-        if late:  # done by now, their notices late or lost: ask (the engine's ground truth)
-            for c in self.engine.query(late):
-                self._take(c, out)
+        self._reap(out, [j.job_id for j in step.jobs], query=True)
         missed = step.missed()
         if missed:
             self.layers_missed += 1
