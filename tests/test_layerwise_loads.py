@@ -185,6 +185,74 @@ def test_the_gpu_engine_bands_restore_a_load_by_layer(monkeypatch: pytest.Monkey
     worker.close()
 
 
+def _layered_step(worker: OffloadWorker, step_no: int, layers: Sequence[int]) -> StepResult:
+    worker.begin_step(StepPlan(step_no, loads=[_by_layer(step_no)]))
+    for layer in layers:
+        worker.wait_layer(layer)
+    return worker.collect()
+
+
+def test_a_model_whose_attention_skips_the_layer_hook_is_found_in_one_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """H200 session 15: MiniMax-M3's sparse layers (3-59) run their own attention op, which
+    never calls wait_for_layer_load; only the dense layers 0-2 wait. Every load by layer was
+    recomputed, and the run never finished. A forward that waits for some layers and not for
+    others tells at once: the workers report it once, and the blocks are still recomputed."""
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", 1)
+    kv = SmallKV(seed=18)
+    worker = _one_group_worker(kv)
+    step(worker, StepPlan(1, saves=[Job(1, "r", [TransferOp(0, 0, [1, 2])])]))
+    res = _layered_step(worker, 2, [0])  # layer 1's attention skips the hook
+    assert res.recompute_blocks == set(ATTN_BLOCKS)
+    assert res.report.layer_hooks_missing == 1 and worker.layer_hooks_missing == [1]
+    res = _layered_step(worker, 3, [0])
+    assert res.recompute_blocks == set(ATTN_BLOCKS)
+    assert res.report.layer_hooks_missing == 0  # reported once
+    worker.close()
+
+
+def test_forwards_that_wait_for_no_layer_turn_it_off_only_in_a_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One forward that waits for no layer may be a replayed CUDA graph (its blocks are
+    recomputed, nothing more); UNWAITED_STEPS_OFF of them in a row: the hook is skipped
+    everywhere. A waited step in between starts the count again."""
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", 1)
+    kv = SmallKV(seed=19)
+    worker = _one_group_worker(kv)
+    step(worker, StepPlan(1, saves=[Job(1, "r", [TransferOp(0, 0, [1, 2])])]))
+    n = worker_module.UNWAITED_STEPS_OFF
+    pattern = [[]] * (n - 1) + [[0, 1]] + [[]] * n
+    found = []
+    for i, layers in enumerate(pattern):
+        res = _layered_step(worker, 2 + i, layers)
+        assert res.recompute_blocks == (set() if layers else set(ATTN_BLOCKS))
+        found.append(res.report.layer_hooks_missing)
+    assert found == [0] * (2 * n - 1) + [1]
+    assert worker.layer_hooks_missing == [0, 1]
+    worker.close()
+
+
+def test_the_scheduler_half_loads_parked_once_a_worker_finds_the_hook_missing(
+        kvtier_caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.protocol import WorkerReport
+    from kvtier.vllm.metadata import KvtierWorkerMetadata
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    side = SchedulerSide(_setup({"layerwise_loads": True}))  # type: ignore[arg-type]
+    assert side._loads_by_layer(_Request(1024), 0, 512)
+    output = type("Output", (), {})()
+    output.kv_connector_worker_meta = KvtierWorkerMetadata(
+        report=WorkerReport(layer_hooks_missing=1), geometries=[], load_errors={})
+    side.update_connector_output(output)
+    assert not side.layerwise_loads and not side._loads_by_layer(_Request(1024), 0, 512)
+    assert any("skips vLLM's wait_for_layer_load" in r.getMessage()
+               for r in kvtier_caplog.records)
+
+
 # --- where the setting can act (kvtier.vllm.setup.layerwise_loads) -------------------------
 
 def _setup(extra: dict[str, object], mamba: str | None = None,

@@ -140,6 +140,9 @@ class WorkerReport:
     # its wait (its blocks were then recomputed), summed over ranks
     loads_by_layer: int = 0
     layer_waits_missed: int = 0
+    # ranks that found the model's attention skipping vLLM's layer hook
+    # (OffloadWorker.layer_hooks_missing): the scheduler half then loads every hit parked
+    layer_hooks_missing: int = 0
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
     jobs: list[tuple[str, int, float]] = field(default_factory=list)
     tiers: dict[str, TierReport] = field(default_factory=dict)  # per lower tier's name
@@ -166,6 +169,7 @@ class WorkerReport:
         self.fences_waited += other.fences_waited
         self.loads_by_layer += other.loads_by_layer
         self.layer_waits_missed += other.layer_waits_missed
+        self.layer_hooks_missing += other.layer_hooks_missing
         self.jobs.extend(other.jobs)
         for name, rep in other.tiers.items():
             self.tiers.setdefault(name, TierReport()).add(rep)

@@ -117,6 +117,13 @@ class StepResult:
 _NOTHING = StepResult()  # compared against, never changed
 
 
+UNWAITED_STEPS_OFF = 3
+"""Layer-by-layer steps in a row whose forward called vLLM's layer hook for no layer at all
+after which the model is taken to skip the hook everywhere (:meth:`OffloadWorker.
+layer_hooks_missing`). One such step can be a replayed CUDA graph; a forward that calls the
+hook for some layers and not for others skips it for those, and one step tells."""
+
+
 class LayeredStep:
     """The layer-by-layer loads of one step (:attr:`~kvtier.protocol.Job.by_layer`): the
     forward of that step reads their blocks, so vLLM learns of a failure in that step, by
@@ -228,6 +235,11 @@ class OffloadWorker:
         self.layers_missed = 0  # steps whose forward read such a load's layer unwaited, ever
         self._layer_indexes = frozenset(s.layer_index for g in layout.groups
                                         for s in g.segments if s.layer_index >= 0)
+        # layers whose attention the forward runs without vLLM's layer hook (a model whose
+        # own attention op skips it): found once, then the scheduler half stops loading by
+        # layer (WorkerReport.layer_hooks_missing); None: not found
+        self.layer_hooks_missing: list[int] | None = None
+        self._unwaited_steps = 0  # layer-by-layer steps in a row that waited for no layer
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
@@ -342,6 +354,7 @@ class OffloadWorker:
             self._wait_on_host([j.job_id for j in step.jobs], out)
         self._reap(out, [j.job_id for j in step.jobs], query=True)
         missed = step.missed()
+        self._check_layer_hooks(step, missed, out)
         if missed:
             self.layers_missed += 1
             out.report.layer_waits_missed += 1
@@ -359,6 +372,25 @@ class OffloadWorker:
             # this step's forward read wrong bytes there, and so does the next one's where a
             # scheduler planned it before vLLM learned of them: neither step's saves run
             self._tainted_until = self.step + 1
+
+    def _check_layer_hooks(self, step: LayeredStep, missed: list[int], out: StepResult
+                           ) -> None:
+        """Find a model whose attention skips vLLM's layer hook on some layers: every load
+        by layer would be recomputed there. Where the engine orders the forward per layer, a
+        forward that waited for some layers and not for others skips the hook on those; a
+        forward that waited for none, :data:`UNWAITED_STEPS_OFF` steps in a row, everywhere.
+        Reported once (the scheduler half then loads every hit parked)."""
+        if step.loads is None or self.layer_hooks_missing is not None:
+            return
+        self._unwaited_steps = self._unwaited_steps + 1 if not step.waited else 0
+        if not missed or (not step.waited and self._unwaited_steps < UNWAITED_STEPS_OFF):
+            return
+        self.layer_hooks_missing = missed
+        out.report.layer_hooks_missing += 1
+        logger.warning("kvtier rank %d: the model's attention runs without vLLM's "
+                       "wait_for_layer_load on layers %s%s (its own attention op skips the "
+                       "hook): layerwise_loads cannot act in this engine; hits load parked",
+                       self.rank, missed[:8], " ..." if len(missed) > 8 else "")
 
     def _submit_tier(self, plan: TierPlan) -> None:
         """Queue a lower tier's jobs on its own I/O thread (never waited for here)."""

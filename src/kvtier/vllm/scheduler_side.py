@@ -81,6 +81,9 @@ class SchedulerSide:
         self._blind: set[str] = set()
         # requests whose hit, promised by the last lookup, loads layer by layer (not parked)
         self._by_layer: set[str] = set()
+        # whether hits may load layer by layer: the setting where it can act, until a worker
+        # finds the model's attention skipping vLLM's layer hook
+        self.layerwise_loads = setup.layerwise_loads
         # vLLM's block pool where its local hit of a hybrid can outrun the state groups'
         # (kvtier.vllm.hybrid_hits); None elsewhere
         self._block_pool: Any = None
@@ -146,7 +149,7 @@ class SchedulerSide:
         is longer than a uniform decode's query: a step of nothing but such queries may
         replay a FULL CUDA graph, which skips the layer waits (the worker then reports the
         blocks as failed, and vLLM recomputes them)."""
-        if not self.setup.layerwise_loads:
+        if not self.layerwise_loads:
             return False
         rest = int(request.num_tokens) - num_computed_tokens - n
         return rest > self.setup.decode_query_len
@@ -330,6 +333,12 @@ class SchedulerSide:
             self._start_scheduler(wm.geometries)
         if wm.report.store_epoch is not None:
             self._store_epoch_mapped = wm.report.store_epoch
+        if wm.report.layer_hooks_missing and self.layerwise_loads:
+            self.layerwise_loads = False
+            logger.warning("kvtier: layerwise_loads is set, but the model's attention "
+                           "skips vLLM's wait_for_layer_load on some layers (the workers "
+                           "log which); from now on hits are loaded with the request "
+                           "parked")
         if self.scheduler is not None:
             if self.setup.loads_must_not_fail:
                 self._recover_failed_loads(wm)
