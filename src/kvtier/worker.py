@@ -119,9 +119,30 @@ _NOTHING = StepResult()  # compared against, never changed
 
 UNWAITED_STEPS_OFF = 3
 """Layer-by-layer steps in a row whose forward called vLLM's layer hook for no layer at all
-after which the model is taken to skip the hook everywhere (:meth:`OffloadWorker.
-layer_hooks_missing`). One such step can be a replayed CUDA graph; a forward that calls the
-hook for some layers and not for others skips it for those, and one step tells."""
+after which the model is taken to skip the hook everywhere (:class:`LayerHookCheck`)."""
+
+
+class LayerHookCheck:
+    """Finds a model whose attention skips vLLM's layer hook on some layers: every load by
+    layer would be recomputed there. Only where the engine orders the forward per layer: a
+    forward that waited for some layers and not for others skips the hook on those (one step
+    tells); one that waited for none, :data:`UNWAITED_STEPS_OFF` steps in a row, everywhere
+    (one such step can be a replayed CUDA graph)."""
+
+    def __init__(self) -> None:
+        self.missing: list[int] | None = None  # the layers, once found
+        self._unwaited_steps = 0  # layer-by-layer steps in a row that waited for no layer
+
+    def found_in(self, step: LayeredStep, missed: list[int]) -> bool:
+        """Whether ``step`` (whose forward read ``missed`` unwaited) shows it, the first
+        time."""
+        if self.missing is not None:
+            return False
+        self._unwaited_steps = self._unwaited_steps + 1 if not step.waited else 0
+        if not missed or (not step.waited and self._unwaited_steps < UNWAITED_STEPS_OFF):
+            return False
+        self.missing = missed
+        return True
 
 
 class LayeredStep:
@@ -235,11 +256,7 @@ class OffloadWorker:
         self.layers_missed = 0  # steps whose forward read such a load's layer unwaited, ever
         self._layer_indexes = frozenset(s.layer_index for g in layout.groups
                                         for s in g.segments if s.layer_index >= 0)
-        # layers whose attention the forward runs without vLLM's layer hook (a model whose
-        # own attention op skips it): found once, then the scheduler half stops loading by
-        # layer (WorkerReport.layer_hooks_missing); None: not found
-        self.layer_hooks_missing: list[int] | None = None
-        self._unwaited_steps = 0  # layer-by-layer steps in a row that waited for no layer
+        self.layer_hooks = LayerHookCheck()
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
@@ -375,22 +392,20 @@ class OffloadWorker:
 
     def _check_layer_hooks(self, step: LayeredStep, missed: list[int], out: StepResult
                            ) -> None:
-        """Find a model whose attention skips vLLM's layer hook on some layers: every load
-        by layer would be recomputed there. Where the engine orders the forward per layer, a
-        forward that waited for some layers and not for others skips the hook on those; a
-        forward that waited for none, :data:`UNWAITED_STEPS_OFF` steps in a row, everywhere.
-        Reported once (the scheduler half then loads every hit parked)."""
-        if step.loads is None or self.layer_hooks_missing is not None:
+        """Report, once, a model whose attention skips vLLM's layer hook (the scheduler half
+        then loads every hit parked)."""
+        if step.loads is None or not self.layer_hooks.found_in(step, missed):
             return
-        self._unwaited_steps = self._unwaited_steps + 1 if not step.waited else 0
-        if not missed or (not step.waited and self._unwaited_steps < UNWAITED_STEPS_OFF):
-            return
-        self.layer_hooks_missing = missed
         out.report.layer_hooks_missing += 1
         logger.warning("kvtier rank %d: the model's attention runs without vLLM's "
                        "wait_for_layer_load on layers %s%s (its own attention op skips the "
                        "hook): layerwise_loads cannot act in this engine; hits load parked",
                        self.rank, missed[:8], " ..." if len(missed) > 8 else "")
+
+    @property
+    def layer_hooks_missing(self) -> list[int] | None:
+        """Layers the forward runs without vLLM's layer hook, once found (else None)."""
+        return self.layer_hooks.missing
 
     def _submit_tier(self, plan: TierPlan) -> None:
         """Queue a lower tier's jobs on its own I/O thread (never waited for here)."""
