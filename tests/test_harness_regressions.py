@@ -111,6 +111,19 @@ def test_request_scheduled_before_the_layout_handshake_is_not_saved_from_a_parti
            {"save_wrong_blocks", "load_wrong_bytes", "wrong_kv_read"}, seeds=range(4))
 
 
+def test_blocks_of_a_recomputed_layerwise_load_leave_vllms_prefix_cache() -> None:
+    """Bug (found by the default batch: vLLM 0.32, two ranks, seed 1080): a layer-by-layer
+    load failed, and vLLM's ``recompute`` policy kept its blocks (and those the step computed
+    after them) in the prefix cache for the recompute; the request was preempted before the
+    recompute reached its last block, and a request sharing the prefix hit that block and
+    read KV nobody computed. Fix: the workers report the recomputed blocks
+    (``WorkerReport.recomputed_blocks``), and the scheduler half drops every table's cache
+    entries from the first of them on (``kvtier.vllm.failed_loads.forget_recomputed_blocks``)
+    before vLLM schedules again."""
+    _check(cases.recomputed_while_shared, bugs.revert_recomputed_blocks_cached,
+           {"wrong_kv_read"})
+
+
 def test_duplicate_completion_notice_is_reported_once() -> None:
     """Bug: the worker reported every completion its transfer engine delivered. A transport
     that delivers a completion twice made a rank report a save twice (the scheduler half

@@ -143,6 +143,11 @@ class WorkerReport:
     # ranks that found the model's attention skipping vLLM's layer hook
     # (OffloadWorker.layer_hooks_missing): the scheduler half then loads every hit parked
     layer_hooks_missing: int = 0
+    # blocks of this step's layer-by-layer loads that vLLM recomputes (StepResult.
+    # recompute_blocks, every rank's): the scheduler half drops them, and the blocks after them
+    # in the tables that hold them, from vLLM's prefix cache (kvtier.vllm.failed_loads.
+    # forget_recomputed_blocks)
+    recomputed_blocks: set[int] = field(default_factory=set)
     # (kind, bytes, seconds) of every job that finished ok: the metrics' histograms
     jobs: list[tuple[str, int, float]] = field(default_factory=list)
     tiers: dict[str, TierReport] = field(default_factory=dict)  # per lower tier's name
@@ -170,6 +175,7 @@ class WorkerReport:
         self.loads_by_layer += other.loads_by_layer
         self.layer_waits_missed += other.layer_waits_missed
         self.layer_hooks_missing += other.layer_hooks_missing
+        self.recomputed_blocks |= other.recomputed_blocks
         self.jobs.extend(other.jobs)
         for name, rep in other.tiers.items():
             self.tiers.setdefault(name, TierReport()).add(rep)

@@ -344,6 +344,15 @@ def revert_reverse_hybrid_hit() -> contextlib.AbstractContextManager[None]:
                     lambda self, request, local_hit: False)
 
 
+def revert_recomputed_blocks_cached() -> contextlib.AbstractContextManager[None]:
+    """Before the fix, a recomputed layer-by-layer load's blocks, and those its step computed
+    after them, stayed in vLLM's prefix cache while the recompute ran (vLLM's ``recompute``
+    policy keeps them): a request arriving meanwhile read KV nobody computed."""
+    from kvtier.vllm import scheduler_side
+
+    return _patched(scheduler_side, "forget_recomputed_blocks", lambda pool, sched, blocks: 0)
+
+
 REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "recycled_id": revert_recycled_id,
     "preempt_order": revert_preempt_order,
@@ -353,6 +362,7 @@ REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "window_release": revert_window_release,
     "cross_group_fence": revert_cross_group_fence,
     "reverse_hybrid_hit": revert_reverse_hybrid_hit,
+    "recomputed_blocks_cached": revert_recomputed_blocks_cached,
 }
 
 __all__ = ["MULTI_GROUP_PLANTED", "PLANTED", "REVERTS", "Bug", "RequestState", "revert_blind_requests",

@@ -131,6 +131,29 @@ def lossy_notices(seed: int, kind: str, async_scheduling: bool = False,
                  world_size=world_size)
 
 
+def recomputed_while_shared(seed: int, async_scheduling: bool = False,
+                            world_size: int = 1) -> Scenario:
+    """A prefix is saved, the HBM prefix cache is dropped, and a request restores the prefix
+    layer by layer; the load fails, so vLLM recomputes its blocks, over several steps at a
+    64-token budget, and the request is aborted before the recompute is through (as one
+    preempted then would be: seed 1080 of the default batch). Requests sharing the prefix
+    arrive then: vLLM's prefix cache must hand them neither the blocks nobody recomputed
+    nor those the failed step computed after them (under the asynchronous scheduler kvtier
+    loads parked: nothing to find)."""
+    rng = random.Random(seed)
+    faults = FaultPlan(load_fail_p=1.0)
+    prefix = _toks(rng, 32 * rng.randint(4, 6))
+    restore_at = 14
+    reqs = [ReqSpec("first", "first", prefix + _toks(rng, 8), 2, arrival=0),
+            ReqSpec("restore", "restore", prefix + _toks(rng, rng.randint(40, 90)), 4,
+                    arrival=restore_at, abort_after=rng.randint(1, 2))]
+    reqs += [ReqSpec(f"share{i}", f"share{i}", prefix + _toks(rng, rng.randint(8, 40)), 2,
+                     arrival=restore_at + 2 + i) for i in range(4)]
+    return _base(seed, reqs, faults, resets=[(12, False, False)], max_num_batched_tokens=64,
+                 num_blocks=160, layerwise=True, async_scheduling=async_scheduling,
+                 world_size=world_size)
+
+
 CASES = {
     "recycled_id": recycled_id,
     "resumed_after_reset": resumed_after_reset,
@@ -138,4 +161,6 @@ CASES = {
     "priority_parked": priority_parked,
     "duplicate_notices": lambda s, a=False, w=1: lossy_notices(s, "duplicate", a, w),
     "lost_notices": lambda s, a=False, w=1: lossy_notices(s, "drop", a, w),
+    "recomputed_while_shared": recomputed_while_shared,
 }
+

@@ -77,3 +77,30 @@ def recover_or_stop(request: Any, promised_tokens: int, groups: EngineGroups,
         f"kvtier: the load of request {req_id} failed after kvtier promised it ({reason}); "
         f"no correct recovery exists {why}: stopping rather than serving wrong KV "
         f"(vLLM >= 0.32 recovers it; docs/notes/hybrid-loads-025.md)")
+
+
+def forget_recomputed_blocks(pool: Any, scheduler: OffloadScheduler, blocks: set[int]) -> int:
+    """Drop from vLLM's prefix cache what a recomputed layer-by-layer load left there; how
+    many blocks were asked.
+
+    A synchronous load's blocks enter vLLM's prefix cache when they are allocated, and so do
+    the blocks its step computes after them. When the load is recomputed (its blocks in
+    ``invalid_block_ids``), vLLM's ``recompute`` policy keeps every one of them cached for
+    the requests that recompute them (``v1/core/sched/scheduler.py``, ``_handle_invalid_blocks``
+    on 0.25.1 and 0.32), but the recompute can take several steps (chunked prefill), and a
+    request that arrives meanwhile hits them and reads KV nobody computed (found by the
+    fault-injection harness: vLLM 0.32, two ranks, seed 1080). So every table that holds a
+    recomputed block loses the cache entries of that block and all after it; the blocks stay
+    with their requests (``BlockPool.evict_blocks``), only later hits on them are gone.
+    Layer-by-layer loads act only for one KV-cache group: group 0's tables."""
+    evict: set[int] = set()
+    for st in scheduler.requests.values():
+        table = st.block_ids[0] if st.block_ids else []
+        for i, block in enumerate(table):
+            if block in blocks:
+                evict.update(b for b in table[i:] if b > 0)  # 0: vLLM's null block
+                break
+    evict.update(b for b in blocks if b > 0)
+    if evict:
+        pool.evict_blocks(evict)
+    return len(evict)

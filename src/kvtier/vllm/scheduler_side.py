@@ -29,7 +29,11 @@ from kvtier.tiers.setup import DiskTier, open_disk_tier
 from kvtier.vllm import compat, startup
 from kvtier.vllm.admission import Admission
 from kvtier.vllm.counters import scheduler_counts
-from kvtier.vllm.failed_loads import completed_failures, recover_or_stop
+from kvtier.vllm.failed_loads import (
+    completed_failures,
+    forget_recomputed_blocks,
+    recover_or_stop,
+)
 from kvtier.vllm.groups import EngineGroups
 from kvtier.vllm.hybrid_hits import (
     attention_hit_in_hbm,
@@ -87,6 +91,7 @@ class SchedulerSide:
         # vLLM's block pool where its local hit of a hybrid can outrun the state groups'
         # (kvtier.vllm.hybrid_hits); None elsewhere
         self._block_pool: Any = None
+        self._pool: Any = None  # vLLM's block pool, always (bind_block_pool)
         self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
         # the store epoch the workers last reported they all map (store_link's
         # loads_wait_for_epoch); None: no report yet
@@ -99,6 +104,7 @@ class SchedulerSide:
                                        setup.groups.specs)
 
     def bind_block_pool(self, pool: Any) -> None:
+        self._pool = pool
         if self.admission is not None:
             self.admission.bind_pool(pool)
         groups = self.setup.groups
@@ -344,6 +350,8 @@ class SchedulerSide:
                 self._recover_failed_loads(wm)
             if not wm.report.empty() or wm.report.checksum_failures or wm.report.tiers:
                 self._moved = True
+            if wm.report.recomputed_blocks and self._pool is not None:
+                forget_recomputed_blocks(self._pool, self.scheduler, wm.report.recomputed_blocks)
             self.scheduler.on_report(wm.report)
             now = time.monotonic()
             self.scheduler.observe_step(now - self._last_output, self._prefill_tokens)

@@ -302,6 +302,7 @@ class WorkerSide:
         retrying = find_engine(self.worker.engine, RetryingLoads)
         errors = retrying.take_errors() if retrying is not None else {}
         report = self._result.report
+        report.recomputed_blocks |= self._result.recompute_blocks
         mapping = self.store_mapping
         if mapping is not None:  # the scheduler half's confirmation of a store epoch
             report.store_epoch = mapped_epoch(mapping, self.worker.refusing)
