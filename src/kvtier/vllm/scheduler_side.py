@@ -88,10 +88,10 @@ class SchedulerSide:
         # whether hits may load layer by layer: the setting where it can act, until a worker
         # finds the model's attention skipping vLLM's layer hook
         self.layerwise_loads = setup.layerwise_loads
-        # vLLM's block pool where its local hit of a hybrid can outrun the state groups'
-        # (kvtier.vllm.hybrid_hits); None elsewhere
-        self._block_pool: Any = None
-        self._pool: Any = None  # vLLM's block pool, always (bind_block_pool)
+        self._pool: Any = None  # vLLM's block pool (bind_block_pool)
+        # whether vLLM's local hit of this hybrid can outrun its state groups' (its pool's
+        # entries past a common boundary are then dropped: kvtier.vllm.hybrid_hits)
+        self._hybrid_local_hits = False
         self.hits_forgotten = 0  # attention prefix-cache entries dropped for that, ever
         # the store epoch the workers last reported they all map (store_link's
         # loads_wait_for_epoch); None: no report yet
@@ -108,9 +108,9 @@ class SchedulerSide:
         if self.admission is not None:
             self.admission.bind_pool(pool)
         groups = self.setup.groups
-        if (groups is not None and compat.local_hit_is_longest_group_hit()
-                and any(s.kind is GroupKind.STATE for s in groups.specs)):
-            self._block_pool = pool
+        self._hybrid_local_hits = (
+            groups is not None and compat.local_hit_is_longest_group_hit()
+            and any(s.kind is GroupKind.STATE for s in groups.specs))
 
     # -- requests ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -189,8 +189,8 @@ class SchedulerSide:
         """Whether vLLM's local hit runs past the attention groups' own (a state group's hit
         is longer): then the state entries past the last boundary every group holds, and the
         attention entries past it, are dropped (:mod:`kvtier.vllm.hybrid_hits`)."""
-        pool, groups = self._block_pool, self.setup.groups
-        if pool is None or groups is None or local_hit <= 0:
+        pool, groups = self._pool, self.setup.groups
+        if not self._hybrid_local_hits or groups is None or local_hit <= 0:
             return False
         hashes = request.block_hashes
         attention_hit = attention_hit_in_hbm(pool, hashes, groups, local_hit)
@@ -209,8 +209,8 @@ class SchedulerSide:
         """Whether vLLM's local hit runs past the state groups' own (kvtier's answer loads
         nothing): then the attention groups' cache entries past the state are dropped
         (:mod:`kvtier.vllm.hybrid_hits`)."""
-        pool, groups = self._block_pool, self.setup.groups
-        if pool is None or groups is None or local_hit <= 0:
+        pool, groups = self._pool, self.setup.groups
+        if not self._hybrid_local_hits or groups is None or local_hit <= 0:
             return False
         hashes = request.block_hashes
         state_hit = state_boundary_in_hbm(pool, hashes, groups, local_hit)
