@@ -7,6 +7,7 @@ waits once, whole), and the GPU engine's bands on :class:`HostRuntime`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -236,18 +237,82 @@ def test_forwards_that_wait_for_no_layer_turn_it_off_only_in_a_row(
     worker.close()
 
 
-def test_the_scheduler_half_loads_parked_once_a_worker_finds_the_hook_missing(
-        kvtier_caplog: pytest.LogCaptureFixture) -> None:
+def _probe_step(worker: OffloadWorker, step_no: int, layers: Sequence[int]) -> StepResult:
+    """A step without loads by layer whose forward calls the hook for ``layers``."""
+    worker.begin_step(StepPlan(step_no))
+    for layer in layers:
+        worker.wait_layer(layer)
+    return worker.collect()
+
+
+def test_the_probe_hears_every_layer_before_any_load_by_layer_is_promised() -> None:
+    """A forward that calls the hook for no layer (a replayed CUDA graph) tells nothing; the
+    first that calls it for every layer verifies the model, once, and the probe stops."""
+    kv = SmallKV(seed=20)
+    worker = _one_group_worker(kv)
+    assert not worker.layer_hooks.probing  # only where the setting can act (worker_side)
+    worker.layer_hooks.start_probe()
+    assert worker.layer_hooks.probing
+    verified = [_probe_step(worker, i + 1, layers).report.layer_hooks_verified
+                for i, layers in enumerate([[], [], [0, 1], [0, 1]])]
+    assert verified == [0, 0, 1, 0]
+    assert worker.layer_hooks.verified and not worker.layer_hooks.probing
+    assert worker.layer_hooks_missing is None
+    worker.close()
+
+
+def test_the_probe_finds_a_model_whose_attention_skips_the_hook_before_any_promise() -> None:
+    """MiniMax-M3's case found without a recomputed step: the first forward that calls the
+    hook for some layers only reports the others missing, and nothing is verified."""
+    kv = SmallKV(seed=21)
+    worker = _one_group_worker(kv)
+    worker.layer_hooks.start_probe()
+    res = _probe_step(worker, 1, [0])
+    assert res.report.layer_hooks_missing == 1 and res.report.layer_hooks_verified == 0
+    assert worker.layer_hooks_missing == [1] and not worker.layer_hooks.probing
+    assert res.recompute_blocks == set()  # nothing was loaded, nothing recomputes
+    assert _probe_step(worker, 2, [0, 1]).report.layer_hooks_verified == 0
+    worker.close()
+
+
+def _report(**counts: int) -> Any:
     from kvtier.protocol import WorkerReport
     from kvtier.vllm.metadata import KvtierWorkerMetadata
-    from kvtier.vllm.scheduler_side import SchedulerSide
 
-    side = SchedulerSide(_setup({"layerwise_loads": True}))  # type: ignore[arg-type]
-    assert side._loads_by_layer(_Request(1024), 0, 512)
     output = type("Output", (), {})()
     output.kv_connector_worker_meta = KvtierWorkerMetadata(
-        report=WorkerReport(layer_hooks_missing=1), geometries=[], load_errors={})
-    side.update_connector_output(output)
+        report=WorkerReport(**counts), geometries=[], load_errors={})
+    return output
+
+
+def _verified(side: Any, ranks: int = 1) -> Any:
+    """``side`` after ``ranks`` workers reported the hook heard on every layer."""
+    side.update_connector_output(_report(layer_hooks_verified=ranks))
+    return side
+
+
+def test_the_scheduler_half_loads_by_layer_once_every_rank_heard_every_hook() -> None:
+    import dataclasses
+
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    setup = dataclasses.replace(_setup({"layerwise_loads": True}),  # type: ignore[type-var]
+                                world_size=2)
+    side = SchedulerSide(setup)
+    assert side.layerwise_loads and not side._loads_by_layer(_Request(1024), 0, 512)
+    _verified(side)  # one rank of two
+    assert not side._loads_by_layer(_Request(1024), 0, 512)
+    _verified(side)
+    assert side._loads_by_layer(_Request(1024), 0, 512)
+
+
+def test_the_scheduler_half_loads_parked_once_a_worker_finds_the_hook_missing(
+        kvtier_caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    side = _verified(SchedulerSide(_setup({"layerwise_loads": True})))  # type: ignore[arg-type]
+    assert side._loads_by_layer(_Request(1024), 0, 512)
+    side.update_connector_output(_report(layer_hooks_missing=1))
     assert not side.layerwise_loads and not side._loads_by_layer(_Request(1024), 0, 512)
     assert any("skips vLLM's wait_for_layer_load" in r.getMessage()
                for r in kvtier_caplog.records)
@@ -305,7 +370,7 @@ def test_a_hit_loads_by_layer_only_while_its_step_is_no_uniform_decode(
 
     setup = dataclasses.replace(_setup({"layerwise_loads": True}),  # type: ignore[type-var]
                                 decode_query_len=1 + spec_tokens)
-    side = SchedulerSide(setup)
+    side = _verified(SchedulerSide(setup))
     assert side._loads_by_layer(_Request(512 + 256 + rest), 512, 256) is by_layer
 
 

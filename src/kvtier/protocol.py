@@ -143,6 +143,9 @@ class WorkerReport:
     # ranks that found the model's attention skipping vLLM's layer hook
     # (OffloadWorker.layer_hooks_missing): the scheduler half then loads every hit parked
     layer_hooks_missing: int = 0
+    # ranks whose probe heard the hook on every layer before any load by layer was promised
+    # (LayerHookCheck): the scheduler half promises such loads once every rank has
+    layer_hooks_verified: int = 0
     # blocks of this step's layer-by-layer loads that vLLM recomputes (StepResult.
     # recompute_blocks, every rank's): the scheduler half drops them, and the blocks after them
     # in the tables that hold them, from vLLM's prefix cache (kvtier.vllm.failed_loads.
@@ -175,6 +178,7 @@ class WorkerReport:
         self.loads_by_layer += other.loads_by_layer
         self.layer_waits_missed += other.layer_waits_missed
         self.layer_hooks_missing += other.layer_hooks_missing
+        self.layer_hooks_verified += other.layer_hooks_verified
         self.recomputed_blocks |= other.recomputed_blocks
         self.jobs.extend(other.jobs)
         for name, rep in other.tiers.items():

@@ -123,15 +123,48 @@ after which the model is taken to skip the hook everywhere (:class:`LayerHookChe
 
 
 class LayerHookCheck:
-    """Finds a model whose attention skips vLLM's layer hook on some layers: every load by
-    layer would be recomputed there. Only where the engine orders the forward per layer: a
+    """Finds whether the model's attention calls vLLM's layer hook (``wait_for_layer_load``)
+    on every layer: a load by layer is only safe where it does, and a model whose attention
+    skips it on some layers would have every such load recomputed.
+
+    Before any load by layer is promised, a probe (:meth:`start_probe`, where the setting can
+    act) listens to the hooks of each forward until one tells (:meth:`probe_told`): one that
+    called the hook for every layer verifies the model (the scheduler half promises loads by
+    layer only from then on); one that called it for some layers only finds it missing on
+    the others. A forward that called it for none (a replayed CUDA graph, a step without
+    attention) tells nothing.
+
+    After a promise, only where the engine orders the forward per layer (:meth:`found_in`): a
     forward that waited for some layers and not for others skips the hook on those (one step
     tells); one that waited for none, :data:`UNWAITED_STEPS_OFF` steps in a row, everywhere
     (one such step can be a replayed CUDA graph)."""
 
     def __init__(self) -> None:
         self.missing: list[int] | None = None  # the layers, once found
+        self.verified = False  # a forward called the hook for every layer
+        self.probing = False
+        self._heard: set[int] = set()  # this forward's hooks, while probing
         self._unwaited_steps = 0  # layer-by-layer steps in a row that waited for no layer
+
+    def start_probe(self) -> None:
+        self.probing = self.missing is None and not self.verified
+
+    def heard(self, layer_index: int) -> None:
+        if self.probing:
+            self._heard.add(layer_index)
+
+    def probe_told(self, layers: frozenset[int]) -> bool:
+        """At the end of a forward while probing: whether its hooks told (``verified`` or
+        ``missing`` set, the probe over); ``layers``: every layer the loads write."""
+        heard, self._heard = self._heard, set()
+        if not self.probing or not heard:
+            return False
+        self.probing = False
+        if layers <= heard:
+            self.verified = True
+        else:
+            self.missing = sorted(layers - heard)
+        return True
 
     def found_in(self, step: LayeredStep, missed: list[int]) -> bool:
         """Whether ``step`` (whose forward read ``missed`` unwaited) shows it, the first
@@ -318,7 +351,8 @@ class OffloadWorker:
     def wait_layer(self, layer_index: int) -> None:
         """The forward is about to read layer ``layer_index``: order it after that layer's
         bytes (on the device where the engine can; else the host waits for every load of
-        the step, once)."""
+        the step, once). While the layer-hook probe listens, it hears the call too."""
+        self.layer_hooks.heard(layer_index)
         step = self._layered
         if step is None:
             return
@@ -401,6 +435,24 @@ class OffloadWorker:
                        "wait_for_layer_load on layers %s%s (its own attention op skips the "
                        "hook): layerwise_loads cannot act in this engine; hits load parked",
                        self.rank, missed[:8], " ..." if len(missed) > 8 else "")
+
+    def _end_probe_step(self, out: StepResult) -> None:
+        """The forward is over: report what its hooks told the probe, if anything."""
+        hooks = self.layer_hooks
+        if not hooks.probe_told(self._layer_indexes):
+            return
+        if hooks.verified:
+            out.report.layer_hooks_verified += 1
+            logger.info("kvtier rank %d: the model's attention calls vLLM's "
+                        "wait_for_layer_load on each of its %d layers: hits may load layer "
+                        "by layer", self.rank, len(self._layer_indexes))
+            return
+        missing = hooks.missing or []
+        out.report.layer_hooks_missing += 1
+        logger.warning("kvtier rank %d: the model's attention runs without vLLM's "
+                       "wait_for_layer_load on layers %s%s (its own attention op skips the "
+                       "hook): layerwise_loads cannot act in this engine; hits load parked",
+                       self.rank, missing[:8], " ..." if len(missing) > 8 else "")
 
     @property
     def layer_hooks_missing(self) -> list[int] | None:
@@ -485,6 +537,8 @@ class OffloadWorker:
         step, self._layered = self._layered, None
         if step is not None:
             self._settle_layered(step, out)
+        if self.layer_hooks.probing:
+            self._end_probe_step(out)
         for c in self.engine.poll():
             self._take(c, out)
         stale = [j for j, at in self._inflight.items() if self._collects - at >= REQUERY_STEPS]

@@ -42,6 +42,8 @@ def test_restore_check_with_loads_by_layer(engine: Any, chunks: int) -> None:
     (p,) = res.prompts
     assert p.checksums_equal and p.tokens_equal and p.logprobs_equal, (p.tokens_b, p.tokens_c)
     assert res.loads_failed == 0 and worker.layers_missed == 0
+    # the probe heard vLLM's hook on every layer before the first promise
+    assert worker.layer_hooks.verified and worker.layer_hooks_missing is None
     started = engine.kvtier.stats.loads_started - before[1]
     assert started >= 1 and worker.loads_by_layer - before[0] == started  # none parked
     assert not engine.scheduler_connector.timings._load_started  # vLLM parked nothing

@@ -88,6 +88,9 @@ class SchedulerSide:
         # whether hits may load layer by layer: the setting where it can act, until a worker
         # finds the model's attention skipping vLLM's layer hook
         self.layerwise_loads = setup.layerwise_loads
+        # ranks whose forward was heard calling the layer hook on every layer (loads by layer
+        # are promised once all setup.world_size have: LayerHookCheck's probe)
+        self._hook_ranks_verified = 0
         self._pool: Any = None  # vLLM's block pool (bind_block_pool)
         # whether vLLM's local hit of this hybrid can outrun its state groups' (its pool's
         # entries past a common boundary are then dropped: kvtier.vllm.hybrid_hits)
@@ -154,8 +157,10 @@ class SchedulerSide:
         of the prompt (``layerwise_loads`` where this engine allows it). Only while that rest
         is longer than a uniform decode's query: a step of nothing but such queries may
         replay a FULL CUDA graph, which skips the layer waits (the worker then reports the
-        blocks as failed, and vLLM recomputes them)."""
-        if not self.layerwise_loads:
+        blocks as failed, and vLLM recomputes them). And only once every rank's forward was
+        heard calling the layer hook on each layer (:class:`~kvtier.worker.LayerHookCheck`):
+        a model whose attention skips it is found before any promise."""
+        if not self.layerwise_loads or self._hook_ranks_verified < self.setup.world_size:
             return False
         rest = int(request.num_tokens) - num_computed_tokens - n
         return rest > self.setup.decode_query_len
@@ -339,6 +344,11 @@ class SchedulerSide:
             self._start_scheduler(wm.geometries)
         if wm.report.store_epoch is not None:
             self._store_epoch_mapped = wm.report.store_epoch
+        if wm.report.layer_hooks_verified and self.layerwise_loads:
+            self._hook_ranks_verified += wm.report.layer_hooks_verified
+            if self._hook_ranks_verified >= self.setup.world_size:
+                logger.info("kvtier: every rank's forward called vLLM's wait_for_layer_load "
+                            "on each layer: hits load layer by layer from now on")
         if wm.report.layer_hooks_missing and self.layerwise_loads:
             self.layerwise_loads = False
             logger.warning("kvtier: layerwise_loads is set, but the model's attention "

@@ -188,6 +188,9 @@ class WorkerSide:
                 engine_factory=factory,
                 slab_factory=self.store_mapping.slab if self.store_mapping else None,
             )
+        if setup.layerwise_loads:
+            # no load by layer is promised before a forward showed every layer's hook
+            self.worker.layer_hooks.start_probe()
         self._geometry = self.worker.geometry
         transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
         census = worker_census(rank, layout, chunk, self.worker.slab_layout.total_bytes,
@@ -226,7 +229,7 @@ class WorkerSide:
             self._fenced_step = plan.step
         self.worker.begin_step(plan)  # loads start before the forward, on their own thread
         self._begun_step = plan.step
-        self.layer_waits = self.worker.loading_by_layer
+        self.layer_waits = self.worker.loading_by_layer or self.worker.layer_hooks.probing
 
     def _follow_store(self, plan: StepPlan) -> None:
         """On a new store epoch, move the slab to the store's new pool (after the jobs in
@@ -247,9 +250,10 @@ class WorkerSide:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """vLLM is about to run the attention of ``layer_name`` (the connector calls this
-        only while :attr:`layer_waits`)."""
+        only while :attr:`layer_waits`: this step's forward reads loads by layer, or the
+        worker still probes which layers call the hook)."""
         worker = self.worker
-        if worker is not None and worker.loading_by_layer:
+        if worker is not None and self.layer_waits:
             worker.wait_layer(_layer_index(layer_name))
 
     def wait_for_save(self, connector_metadata: Any) -> None:
