@@ -15,8 +15,8 @@
 # cache-aware admission on, for the issue's admission off/on report; "kvtier-xl" registers one
 # KV tensor of every layer (cross_layer_blocks), "kvtier-hnd" / "kvtier-xl-hnd" ask for native's
 # HND layout, "kvtier-dma" moves every group by DMA (transfer_path=dma), "kvtier-layerwise"
-# restores layer by layer (layerwise_loads, with --no-async-scheduling) and "native-sync" is
-# native under that same synchronous scheduler. Everything lands in
+# restores layer by layer (layerwise_loads; "kvtier-layerwise-sync" with
+# --no-async-scheduling) and "native-sync" is native under that synchronous scheduler. Everything lands in
 # $OUT/agent-c$CONCURRENCY/. DRY=1 checks the chosen servers' arguments with
 # `kvtier serve --dry-run` (vLLM's own parser; runs on a CPU box: PY=.venv/bin/python SITE=
 # DRAM_GIB=4, as the dry run also checks dram_size against this machine's memory) and stops.
@@ -54,11 +54,13 @@ for name in ${CONFIGS:-native kvtier}; do
         kvtier-hnd) cfg="$KVTIER --kvtier-set kv_cache_layout=HND" ;;
         # every group on the copy engines (no SM gathers beside the decode steps)
         kvtier-dma) cfg="$KVTIER --kvtier-set transfer_path=dma" ;;
-        # restores inside the step that computes the rest of the prompt (layerwise_loads:
-        # vLLM's synchronous scheduler only), and native under the same scheduler
-        kvtier-layerwise) cfg="$KVTIER --kvtier-set layerwise_loads=true --no-async-scheduling" ;;
+        # restores inside the step that computes the rest of the prompt (layerwise_loads),
+        # under vLLM's default asynchronous scheduler, or its synchronous one (-sync, where a
+        # failed load is recomputed rather than fatal) beside native on that scheduler
+        kvtier-layerwise) cfg="$KVTIER --kvtier-set layerwise_loads=true" ;;
+        kvtier-layerwise-sync) cfg="$KVTIER --kvtier-set layerwise_loads=true --no-async-scheduling" ;;
         native-sync) cfg="$NATIVE --no-async-scheduling" ;;
-        *) echo "unknown config $name (native, native-sync, kvtier, kvtier-admission, kvtier-xl, kvtier-xl-hnd, kvtier-hnd, kvtier-dma, kvtier-layerwise)"; exit 2 ;;
+        *) echo "unknown config $name (native, native-sync, kvtier, kvtier-admission, kvtier-xl, kvtier-xl-hnd, kvtier-hnd, kvtier-dma, kvtier-layerwise, kvtier-layerwise-sync)"; exit 2 ;;
     esac
     # shellcheck disable=SC2086
     "$PY" -m kvtier.cli serve $cfg --dry-run > "$W/dry-run-$name.txt" 2>&1

@@ -62,8 +62,9 @@ elif [ "$STAGE" = gain ]; then
     for c in ${CONFIGS:-hbm kvtier native big}; do
         n=$((n + 1))
         # kvtier-admit: kvtier with cache-aware admission (cache_aware_admission);
-        # kvtier-layerwise: layer-by-layer restores (layerwise_loads), which need vLLM's
-        # synchronous scheduler; kvtier-admit-layerwise: both; native-sync: native
+        # kvtier-layerwise: layer-by-layer restores (layerwise_loads) on vLLM's synchronous
+        # scheduler (where a failed one is recomputed; M3 restores parked anyway: its sparse
+        # layers skip the hook); kvtier-admit-layerwise: both; native-sync: native
         # offloading on that scheduler too
         extra=()
         case "$c" in

@@ -91,8 +91,8 @@ def test_each_configuration_gets_its_offload(tmp_path: pathlib.Path) -> None:
 
 
 def test_layerwise_runs_take_the_synchronous_scheduler(tmp_path: pathlib.Path) -> None:
-    """bench/gpu_hybrid.sh's kvtier-layerwise and native-sync: kvtier refuses layerwise_loads
-    under the asynchronous scheduler, so both sides of that pair run the synchronous one."""
+    """bench/gpu_hybrid.sh's kvtier-layerwise and native-sync: both sides of that pair run
+    vLLM's synchronous scheduler (where a failed load by layer is recomputed, not fatal)."""
     tool = _tool()
     base = ["--model", "minimax-m3", "--out", str(tmp_path / "o.json"),
             "--model-dir", str(tmp_path / "m")]

@@ -100,6 +100,46 @@ def test_a_failed_or_refused_load_by_layer_reports_its_blocks_in_its_step() -> N
     worker.close()
 
 
+def test_under_the_asynchronous_scheduler_a_failed_load_by_layer_stops_the_engine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where failures are fatal (``layer_failures_fatal``: vLLM's asynchronous scheduler,
+    whose recompute of a failed synchronous load can keep KV of a replaced token), a failed
+    copy, a load never reported and a layer read without its wait each raise in the step's
+    collection instead of reaching vLLM as blocks to recompute; a load that succeeds is
+    restored exactly as without the flag."""
+    monkeypatch.setattr(worker_module, "LAYER_WAIT_LIMIT_S", 0.1)
+    kv = SmallKV(seed=22)
+    worker = make_worker(kv, verify=False)
+    worker.layer_failures_fatal = True
+    want = _saved(kv, worker)
+    res = _forward(worker, [0, 1, 2])
+    assert res.report.loads == {2: [1, 0]} and res.recompute_blocks == set()
+    assert same(kv.attn_block(7) + kv.attn_block(8), want)
+    worker.begin_step(StepPlan(3, loads=[_by_layer(3, slot=10**6)]))  # a failed copy
+    worker.wait_layer(0)
+    with pytest.raises(worker_module.LayerLoadFailed, match="asynchronous scheduler"):
+        worker.collect()
+    worker.begin_step(StepPlan(4, loads=[_by_layer(4, blocks=(4, 5))]))
+    # no layer waited (a replayed FULL graph): the copies succeed, the forward read early
+    with pytest.raises(worker_module.LayerLoadFailed, match=r"read layers \[0, 1"):
+        worker.collect()
+    worker.close()
+
+    engines: list[_SilentUntilAsked] = []
+
+    def make(mover: ChunkMover) -> _SilentUntilAsked:
+        engines.append(_SilentUntilAsked(mover, lose=True))
+        return engines[-1]
+    silent = make_worker(SmallKV(seed=23), make, verify=False)
+    silent.layer_failures_fatal = True
+    silent.begin_step(StepPlan(1, loads=[_by_layer(1)]))
+    for layer in (0, 1, 2):
+        silent.wait_layer(layer)
+    with pytest.raises(worker_module.LayerLoadFailed):
+        silent.collect()  # never reported within LAYER_WAIT_LIMIT_S
+    silent.close()
+
+
 class _SilentUntilAsked(UnreliableNotices):
     """Notices lost, and ``query`` answers nothing until ``answer`` is set."""
 
@@ -337,14 +377,20 @@ def _setup(extra: dict[str, object], mamba: str | None = None,
 def test_the_setting_acts_only_where_vllm_reads_each_layer_after_its_wait(
         kvtier_caplog: pytest.LogCaptureFixture) -> None:
     assert not _setup({}).layerwise_loads  # type: ignore[attr-defined]
-    assert _setup({"layerwise_loads": True}).layerwise_loads  # type: ignore[attr-defined]
+    sync = _setup({"layerwise_loads": True})
+    assert sync.layerwise_loads and not sync.layer_load_failures_fatal  # type: ignore[attr-defined]
+    # the asynchronous scheduler: acts, and a failure after the promise stops the engine
+    asynchronous = _setup({"layerwise_loads": True}, async_scheduling=True)
+    assert asynchronous.layerwise_loads  # type: ignore[attr-defined]
+    assert asynchronous.layer_load_failures_fatal  # type: ignore[attr-defined]
     for mode in ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE", "FULL_DECODE_ONLY"):
         assert _setup({"layerwise_loads": True}, cudagraph_mode=mode).layerwise_loads, mode
     refusals = [
         (_setup({"layerwise_loads": True}, cudagraph_mode="FULL"), "cudagraph_mode is FULL"),
         (_setup({"layerwise_loads": True, "verify_checksums": True}), "verify_checksums"),
         (_setup({"layerwise_loads": True}, mamba="align"), "more than one KV-cache group"),
-        (_setup({"layerwise_loads": True}, async_scheduling=True), "--no-async-scheduling"),
+        (_setup({"layerwise_loads": True, "store_url": "unix:///tmp/kvtier-none.sock"},
+                async_scheduling=True), "node-wide store"),
     ]
     for setup, why in refusals:
         assert not setup.layerwise_loads  # type: ignore[attr-defined]

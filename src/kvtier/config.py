@@ -217,9 +217,11 @@ class KvtierConfig(BaseModel):
         "layer by layer (vLLM's synchronous loads): the request is not parked, and each "
         "attention layer waits on the GPU only for its own bytes, so the copy overlaps the "
         "forward. Only for one KV-cache group of plain attention, without EAGLE/MTP drafts, "
-        "with verify_checksums off, with vLLM's synchronous scheduler (--no-async-scheduling) "
-        "and CUDA graphs that are not FULL for every batch; elsewhere kvtier warns once and "
-        "parks the request for its load as without it.",
+        "with verify_checksums off and CUDA graphs that are not FULL for every batch (and "
+        "without a node-wide store under vLLM's asynchronous scheduler); elsewhere kvtier "
+        "warns once and parks the request for its load as without it. Under the "
+        "asynchronous scheduler a load that fails once promised (only a CUDA error or a bug "
+        "can) stops the engine; under the synchronous one vLLM recomputes it.",
     )
     # Off by default until measured on the H200 against the per-layer registration.
     cross_layer_blocks: bool = Field(

@@ -122,6 +122,11 @@ UNWAITED_STEPS_OFF = 3
 after which the model is taken to skip the hook everywhere (:class:`LayerHookCheck`)."""
 
 
+class LayerLoadFailed(RuntimeError):
+    """A load by layer failed after its promise where that must stop the engine
+    (:attr:`OffloadWorker.layer_failures_fatal`)."""
+
+
 class LayerHookCheck:
     """Finds whether the model's attention calls vLLM's layer hook (``wait_for_layer_load``)
     on every layer: a load by layer is only safe where it does, and a model whose attention
@@ -290,6 +295,9 @@ class OffloadWorker:
         self._layer_indexes = frozenset(s.layer_index for g in layout.groups
                                         for s in g.segments if s.layer_index >= 0)
         self.layer_hooks = LayerHookCheck()
+        # a failed or unwaited load by layer raises LayerLoadFailed instead of being
+        # recomputed (vLLM's asynchronous scheduler: kvtier.vllm.setup.layer_load_failures_fatal)
+        self.layer_failures_fatal = False
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
@@ -424,6 +432,18 @@ class OffloadWorker:
             # scheduler planned it before vLLM learned of them: neither step's saves run
             self._tainted_until = self.step + 1
 
+    def _stop(self, step: LayeredStep, out: StepResult) -> None:
+        """A load by layer failed after its promise where that must stop the engine."""
+        missed = step.missed()
+        raise LayerLoadFailed(
+            f"kvtier rank {self.rank}: a load by layer failed after its promise "
+            f"({len(out.recompute_blocks)} blocks of jobs {[j.job_id for j in step.jobs]}"
+            + (f"; the forward read layers {missed[:8]} without waiting" if missed else "")
+            + "), under vLLM's asynchronous scheduler, whose recompute of it can keep KV of "
+            "tokens it replaced: the engine stops rather than serve that (the log above "
+            "says why it failed; with --no-async-scheduling such a failure is recomputed, "
+            "with layerwise_loads=false restores park)")
+
     def _check_layer_hooks(self, step: LayeredStep, missed: list[int], out: StepResult
                            ) -> None:
         """Report, once, a model whose attention skips vLLM's layer hook (the scheduler half
@@ -537,6 +557,8 @@ class OffloadWorker:
         step, self._layered = self._layered, None
         if step is not None:
             self._settle_layered(step, out)
+            if self.layer_failures_fatal and out.recompute_blocks:
+                self._stop(step, out)
         if self.layer_hooks.probing:
             self._end_probe_step(out)
         for c in self.engine.poll():

@@ -138,8 +138,8 @@ def recomputed_while_shared(seed: int, async_scheduling: bool = False,
     64-token budget, and the request is aborted before the recompute is through (as one
     preempted then would be: seed 1080 of the default batch). Requests sharing the prefix
     arrive then: vLLM's prefix cache must hand them neither the blocks nobody recomputed
-    nor those the failed step computed after them (under the asynchronous scheduler kvtier
-    loads parked: nothing to find)."""
+    nor those the failed step computed after them (under the asynchronous scheduler such a
+    failure stops the engine, so none is injected there: nothing to find)."""
     rng = random.Random(seed)
     faults = FaultPlan(load_fail_p=1.0)
     prefix = _toks(rng, 32 * rng.randint(4, 6))

@@ -78,6 +78,7 @@ class Driver:
             r.scheduler = self.sched
             self.runners.append(r)
         self.oracle.runners = self.runners
+        self.transport.by_layer_loads_never_fail = self.runners[0].worker.layer_failures_fatal
         self.aggregator = KVOutputAggregator(sc.world_size) if sc.world_size > 1 else None
         self.pending: list[ReqSpec] = list(sc.requests)
         self.live: dict[str, tuple[ReqSpec, Any, int]] = {}  # key -> (spec, request, added)

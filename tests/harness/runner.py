@@ -271,9 +271,12 @@ class FakeRunner:
     def _wait_for_layers(self) -> None:
         """vLLM's attention hook, ``wait_for_layer_load`` per layer in order, before the fake
         forward reads (it reads every layer at once). With ``skip_layer_wait`` a step with
-        layer-by-layer loads skips them all, as a replayed FULL CUDA graph would."""
+        layer-by-layer loads skips them all, as a replayed FULL CUDA graph would (not where
+        kvtier stops the engine on that: the asynchronous scheduler, where the FULL graph
+        and the hooks are checked before any promise)."""
         f = self.transport.faults
         if (f.skip_layer_wait_p and self.worker.loading_by_layer
+                and not self.worker.layer_failures_fatal
                 and self.transport.rng.random() < f.skip_layer_wait_p):
             self.transport.injected["skip_layer_wait"] += 1
             return

@@ -64,6 +64,10 @@ class Transport:
         self.oracle = oracle
         self.now = 0
         self.injected: Counter[str] = Counter()
+        # kvtier stops the engine on a failed load by layer here (OffloadWorker.
+        # layer_failures_fatal: the asynchronous scheduler), so none is injected; only a
+        # CUDA error could fail one (tests/test_layerwise_loads.py checks the stop)
+        self.by_layer_loads_never_fail = False
         self._tid = 0
         self._pending: list[list[Transfer]] = [[] for _ in range(world_size)]
         self._by_job: list[dict[int, Transfer]] = [{} for _ in range(world_size)]
@@ -112,7 +116,8 @@ class Transport:
             n = self._attempts[(rank, job.job_id)] = self._attempts.get((rank, job.job_id), 0) + 1
             cap = self.failable_load_attempts
             fails_here = ((f.lone_fail_rank is None or f.lone_fail_rank == rank)
-                          and (cap is None or n <= cap))
+                          and (cap is None or n <= cap)
+                          and not (job.by_layer and self.by_layer_loads_never_fail))
             if fails_here and f.load_fail_p and rng.random() < f.load_fail_p:
                 t.outcome = "fail"
                 self.injected["lone_fail_rank" if f.lone_fail_rank is not None

@@ -92,8 +92,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     p.add_argument("--no-async-scheduling", action="store_true",
-                   help="vLLM's synchronous scheduler in every run (what kvtier-layerwise "
-                   "needs; the others are measured beside it under the same scheduler)")
+                   help="vLLM's synchronous scheduler in every run (where a failed "
+                   "kvtier-layerwise load is recomputed rather than fatal; the others are "
+                   "measured beside it under the same scheduler)")
     p.add_argument("--kvtier-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a kvtier setting of the kvtier runs (repeatable; JSON values)")
     p.add_argument("--model-root", default="/tmp", help="where the dummy model folders go")

@@ -37,6 +37,9 @@ class ConnectorSetup:
     # hits are restored inside the step that computes the rest of the prompt, layer by
     # layer (``layerwise_loads`` where this engine allows it: :func:`layerwise_loads`)
     layerwise_loads: bool = False
+    # a load by layer that fails after its promise stops the engine (the asynchronous
+    # scheduler: layer_load_failures_fatal); else vLLM recomputes its blocks in that step
+    layer_load_failures_fatal: bool = False
     # tokens a request computes per step in a uniform decode batch (1 + speculative tokens):
     # a batch of only such requests may replay a FULL CUDA graph, which skips the layer waits
     decode_query_len: int = 1
@@ -80,6 +83,7 @@ def set_up(vllm_config: Any, kv_transfer_config: Any, kv_cache_config: Any,
         priority_policy=str(getattr(getattr(vllm_config, "scheduler_config", None), "policy",
                                     "fcfs")).lower().endswith("priority"),
         layerwise_loads=bool(by_layer),
+        layer_load_failures_fatal=bool(by_layer) and layer_load_failures_fatal(vllm_config),
         decode_query_len=1 + num_speculative_tokens(vllm_config),
     )
 
@@ -99,10 +103,10 @@ def layerwise_loads(config: KvtierConfig, vllm_config: Any, groups: EngineGroups
     reports a failed synchronous load by block id for one group only, and several groups
     cannot report at all there), plain attention (a state or window group is read whole by
     other kernels), no EAGLE/MTP drafts (their draft layers' KV is not on the same hook),
-    checksums off (a load is verified per chunk, not per layer), synchronous scheduling (a
-    failed load's next step is already scheduled under the asynchronous scheduler) and no
-    CUDA graph that holds a whole forward of a batch that is not a uniform decode (a replayed
-    FULL graph never calls the hook: only ``cudagraph_mode`` FULL does that)."""
+    checksums off (a load is verified per chunk, not per layer), no node-wide store under
+    the asynchronous scheduler (:func:`layer_load_failures_fatal`) and no CUDA graph that
+    holds a whole forward of a batch that is not a uniform decode (a replayed FULL graph
+    never calls the hook: only ``cudagraph_mode`` FULL does that)."""
     why = None
     if len(groups.specs) != 1 or groups.specs[0].kind is not GroupKind.FULL:
         why = "the model has more than one KV-cache group, or one that is not plain attention"
@@ -112,21 +116,42 @@ def layerwise_loads(config: KvtierConfig, vllm_config: Any, groups: EngineGroups
         why = "EAGLE/MTP drafts run"
     elif config.verify_checksums:
         why = "verify_checksums is on (a restore is verified per chunk, not per layer)"
-    elif getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
-        # Found by the fault-injection harness (vLLM 0.32, two ranks, a failed load, then a
-        # preemption): the asynchronous scheduler had already scheduled the next step, whose
-        # token vLLM later replaced, while the blocks kept the KV of the first one; a chunk
-        # saved from them would hold KV of other tokens than its key's
-        why = ("vLLM schedules asynchronously (a failed layer-by-layer load can leave blocks "
-               "whose KV belongs to tokens vLLM replaced); start vLLM with "
-               "--no-async-scheduling to use it")
+    elif async_scheduling(vllm_config) and config.store_url is not None:
+        # under the asynchronous scheduler a promised load by layer must not fail
+        # (layer_load_failures_fatal), and a worker refuses every job while it does not map
+        # the node-wide store's current pool (a store restart)
+        why = ("vLLM schedules asynchronously and the slab lies in a node-wide store (a store "
+               "restart would fail a promised load); start vLLM with --no-async-scheduling "
+               "to use both")
     elif _mixed_batches_full_graph(vllm_config):
         why = ("cudagraph_mode is FULL: a replayed graph of a whole forward skips the layer "
                "waits (FULL_AND_PIECEWISE, vLLM's default, is fine)")
     if why is not None and warn:
         logger.warning("kvtier: layerwise_loads is set, but %s; hits are loaded with the "
                        "request parked", why)
+    elif warn and layer_load_failures_fatal(vllm_config):
+        logger.info("kvtier: layerwise_loads under vLLM's asynchronous scheduler: a load by "
+                    "layer that fails after its promise stops the engine (vLLM cannot "
+                    "recompute it safely there)")
     return why is None
+
+
+def async_scheduling(vllm_config: Any) -> bool:
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling",
+                        False))
+
+
+def layer_load_failures_fatal(vllm_config: Any) -> bool:
+    """Whether a load by layer that fails after its promise must stop the engine: under the
+    asynchronous scheduler. The step after the failed one is scheduled already, and vLLM's
+    recompute of a failed synchronous load there can leave a block holding KV of a token it
+    then replaced (found by the fault-injection harness: vLLM 0.32, two ranks, a failed load,
+    then a preemption). Nothing kvtier decides fails such a load after the promise: every
+    refusal is made before it (the hit in the DRAM tier, no checksums, no store), and the
+    layer hook is heard on every layer first (:class:`~kvtier.worker.LayerHookCheck`). What
+    is left is a CUDA error (the engine is lost anyway) or a bug: stopping beats serving KV
+    of other tokens."""
+    return async_scheduling(vllm_config)
 
 
 def _mixed_batches_full_graph(vllm_config: Any) -> bool:

@@ -191,6 +191,7 @@ class WorkerSide:
         if setup.layerwise_loads:
             # no load by layer is promised before a forward showed every layer's hook
             self.worker.layer_hooks.start_probe()
+            self.worker.layer_failures_fatal = setup.layer_load_failures_fatal
         self._geometry = self.worker.geometry
         transfer = f"cuda {setup.config.transfer_path}" if device_is_cuda else "cpu threads"
         census = worker_census(rank, layout, chunk, self.worker.slab_layout.total_bytes,
