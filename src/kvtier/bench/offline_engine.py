@@ -129,7 +129,40 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return out
 
 
-def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+def measured_link_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float | None:
+    """This machine's pinned host-to-device copy rate in GB/s (None without CUDA).
+
+    kvtier's planner starts from the ``link_gbps`` setting (20 GB/s) and learns the link
+    from its own transfers; null-copy moves no bytes and reports them at that setting, so
+    without this its load-or-recompute decisions would be those of a slower link than the
+    run it is the floor of (H200 session 16: 5 hits declined as cheaper to recompute that
+    kvtier restored). Every kvtier-family run therefore starts from the measured rate."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dev.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del host, dev
+    torch.cuda.empty_cache()
+    return nbytes * reps / seconds / 1e9
+
+
+def engine_args(args: argparse.Namespace, link_gbps: float | None = None
+                ) -> dict[str, Any]:
+    """vLLM's engine arguments of ``args.config``; ``link_gbps``: the measured link, the
+    planner's starting estimate in kvtier-family runs (:func:`measured_link_gbps`) unless
+    ``--kvtier-set link_gbps=...`` says otherwise."""
     from vllm.config import KVTransferConfig
 
     shape = SHAPES[args.shape]
@@ -156,6 +189,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
             else "kvtier.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"dram_size": f"{args.dram_gib:g}GiB",
+                                       **({"link_gbps": round(link_gbps, 1)}
+                                          if link_gbps else {}),
                                        **settings(args.kvtier_set),
                                        **({"layerwise_loads": True}
                                           if args.config == "kvtier-layerwise" else {})})
@@ -211,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtier.bench import steps as st
 
     vocab = SHAPES[args.shape]["vocab"]
-    kw = engine_args(args)
+    kw = engine_args(args, measured_link_gbps() if args.config.startswith("kvtier") else None)
     t0 = time.time()
     llm = LLM(**kw)
     start_s = time.time() - t0
