@@ -277,6 +277,46 @@ def test_forwards_that_wait_for_no_layer_turn_it_off_only_in_a_row(
     worker.close()
 
 
+def test_where_failures_are_fatal_the_host_does_not_wait_for_the_bands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the asynchronous scheduler the forward's device-side waits are trusted: the
+    step's collection never blocks on the bands' events, a load still in flight is reported
+    to the scheduler half when it finishes (never as blocks to recompute), and a failure
+    reported in a later step still stops the engine."""
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", 1)
+
+    def no_host_wait(self: object) -> None:
+        raise AssertionError("the host waited for the bands")
+    monkeypatch.setattr(engine_module._BandLoads, "synchronize", no_host_wait)
+    kv = SmallKV(seed=24)
+    worker = _one_group_worker(kv)
+    worker.layer_failures_fatal = True
+    want = kv.attn_block(1) + kv.attn_block(2)
+    step(worker, StepPlan(1, saves=[Job(1, "r", [TransferOp(0, 0, [1, 2])])]))
+    kv.wipe()
+    engine = worker.engine
+    polled = engine.poll
+    monkeypatch.setattr(engine, "poll", list)  # this step's notices come late
+    res = _layered_step(worker, 2, [0, 1])
+    assert res.recompute_blocks == set() and res.report.loads == {}
+    monkeypatch.setattr(engine, "poll", polled)
+    later = [worker.collect() for _ in range(2)]
+    assert [r.report.loads for r in later if r.report.loads] == [{2: [1, 0]}]
+    assert all(not r.recompute_blocks and not r.finished_loads for r in later)
+    assert same(kv.attn_block(7) + kv.attn_block(8), want)
+    monkeypatch.setattr(engine, "poll", list)
+    worker.begin_step(StepPlan(3, loads=[_by_layer(3, slot=10**6)]))  # fails, reported late
+    for layer in (0, 1):
+        worker.wait_layer(layer)
+    assert worker.collect().recompute_blocks == set()
+    monkeypatch.setattr(engine, "poll", polled)
+    with pytest.raises(worker_module.LayerLoadFailed, match="failed after its promise"):
+        worker.collect()
+    worker.close()
+
+
 def _probe_step(worker: OffloadWorker, step_no: int, layers: Sequence[int]) -> StepResult:
     """A step without loads by layer whose forward calls the hook for ``layers``."""
     worker.begin_step(StepPlan(step_no))

@@ -406,12 +406,21 @@ class OffloadWorker:
         """Tell vLLM, in this step, which by-layer blocks it must recompute
         (:attr:`StepResult.recompute_blocks`): those of failed jobs (:meth:`_account`), of
         jobs still not done (an engine error, a lost notice: the forward read them anyway),
-        and of every job when a layer was read without its wait."""
+        and of every job when a layer was read without its wait.
+
+        Where failures are fatal (:attr:`layer_failures_fatal`) and the device orders the
+        forward after the bands, the host does not wait for them here: the forward waited on
+        the device already, a copy the engine took can then fail only by a CUDA error (which
+        fails the step's own outputs too), and a failed report that comes in a later step
+        still stops the engine (:meth:`collect`). The jobs still in flight are reported to
+        the scheduler half when they finish, as parked loads are."""
+        trust_device = step.loads is not None and self.layer_failures_fatal
         if step.loads is not None:
-            step.loads.synchronize()
+            if not trust_device:
+                step.loads.synchronize()
         else:  # the host waited at the first layer; if no layer waited (a FULL graph): now
             self._wait_on_host([j.job_id for j in step.jobs], out)
-        self._reap(out, [j.job_id for j in step.jobs], query=True)
+        self._reap(out, [j.job_id for j in step.jobs], query=not trust_device)
         missed = step.missed()
         self._check_layer_hooks(step, missed, out)
         if missed:
@@ -422,7 +431,7 @@ class OffloadWorker:
                                "for their layer-by-layer load (%d so far); vLLM recomputes "
                                "those blocks", self.rank, missed[:8], self.layers_missed)
         for job in step.jobs:
-            if missed or job.job_id in self._inflight:
+            if missed or (job.job_id in self._inflight and not trust_device):
                 self._settled.add(job.job_id)
                 out.recompute_blocks.update(b for op in job.ops for b in op.block_ids if b >= 0)
         # _settled keeps only jobs whose completion is still to come
@@ -432,12 +441,14 @@ class OffloadWorker:
             # scheduler planned it before vLLM learned of them: neither step's saves run
             self._tainted_until = self.step + 1
 
-    def _stop(self, step: LayeredStep, out: StepResult) -> None:
-        """A load by layer failed after its promise where that must stop the engine."""
-        missed = step.missed()
+    def _stop(self, step: LayeredStep | None, out: StepResult) -> None:
+        """A load by layer failed after its promise where that must stop the engine (in its
+        step, or ``step`` None: reported in a later one)."""
+        missed = step.missed() if step is not None else []
+        jobs = f" of jobs {[j.job_id for j in step.jobs]}" if step is not None else ""
         raise LayerLoadFailed(
             f"kvtier rank {self.rank}: a load by layer failed after its promise "
-            f"({len(out.recompute_blocks)} blocks of jobs {[j.job_id for j in step.jobs]}"
+            f"({len(out.recompute_blocks)} blocks{jobs}"
             + (f"; the forward read layers {missed[:8]} without waiting" if missed else "")
             + "), under vLLM's asynchronous scheduler, whose recompute of it can keep KV of "
             "tokens it replaced: the engine stops rather than serve that (the log above "
@@ -557,8 +568,6 @@ class OffloadWorker:
         step, self._layered = self._layered, None
         if step is not None:
             self._settle_layered(step, out)
-            if self.layer_failures_fatal and out.recompute_blocks:
-                self._stop(step, out)
         if self.layer_hooks.probing:
             self._end_probe_step(out)
         for c in self.engine.poll():
@@ -577,6 +586,8 @@ class OffloadWorker:
                 tier_report = rep.tiers.setdefault(name, TierReport())
                 for tc in done:
                     tier_report.take(tc)
+        if self.layer_failures_fatal and out.recompute_blocks:
+            self._stop(step, out)
         return out
 
     def _take(self, c: Completion, out: StepResult) -> None:
