@@ -232,8 +232,9 @@ METRICS: tuple[Metric, ...] = (
            series=_one("loads_by_layer", lambda r: r.loads_by_layer)),
     Metric("layer_waits_missed", COUNTER, WORKER,
            "Steps whose forward read a layer of a layer-by-layer load before waiting for it, "
-           "summed over ranks: vLLM recomputed those blocks. Above 0, an attention path or a "
-           "CUDA graph skips vLLM's layer hook: turn layerwise_loads off.",
+           "summed over ranks: vLLM recomputed those blocks (under its asynchronous scheduler the "
+           "engine stops instead). Above 0, an attention path or a CUDA graph skips vLLM's "
+           "layer hook: turn layerwise_loads off.",
            series=_one("layer_waits_missed", lambda r: r.layer_waits_missed)),
     Metric("checksum_failures", COUNTER, WORKER,
            "Loads (and pre-promise verifications) whose stored bytes did not match their "
