@@ -445,10 +445,9 @@ class OffloadWorker:
         """A load by layer failed after its promise where that must stop the engine (in its
         step, or ``step`` None: reported in a later one)."""
         missed = step.missed() if step is not None else []
-        jobs = f" of jobs {[j.job_id for j in step.jobs]}" if step is not None else ""
         raise LayerLoadFailed(
             f"kvtier rank {self.rank}: a load by layer failed after its promise "
-            f"({len(out.recompute_blocks)} blocks{jobs}"
+            f"({len(out.recompute_blocks)} blocks"
             + (f"; the forward read layers {missed[:8]} without waiting" if missed else "")
             + "), under vLLM's asynchronous scheduler, whose recompute of it can keep KV of "
             "tokens it replaced: the engine stops rather than serve that (the log above "
