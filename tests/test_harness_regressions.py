@@ -124,6 +124,17 @@ def test_blocks_of_a_recomputed_layerwise_load_leave_vllms_prefix_cache() -> Non
            {"wrong_kv_read"})
 
 
+def test_a_load_by_layer_in_a_batch_that_may_replay_a_full_graph_is_waited_before_it(
+        ) -> None:
+    """Found by reasoning, not by the harness's random batch: a hit promised by layer can be
+    scheduled with one token (the step's budget) in a batch of one-token decodes, for which
+    vLLM replays a FULL CUDA graph and calls no layer hook; the forward then read the blocks
+    unwaited (recomputed under the synchronous scheduler, the engine stopped under the
+    asynchronous one). Fix: such a step's plan says ``loads_before_forward`` and the workers
+    order the forward after every band at bind (on the device)."""
+    _check(cases.by_layer_in_a_decode_batch, bugs.revert_loads_before_forward, {"crash"})
+
+
 def test_duplicate_completion_notice_is_reported_once() -> None:
     """Bug: the worker reported every completion its transfer engine delivered. A transport
     that delivers a completion twice made a rank report a save twice (the scheduler half

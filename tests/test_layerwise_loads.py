@@ -317,6 +317,37 @@ def test_where_failures_are_fatal_the_host_does_not_wait_for_the_bands(
     worker.close()
 
 
+@pytest.mark.parametrize("engine", ["host-waits", "bands"])
+def test_a_step_that_may_replay_a_full_graph_waits_for_its_loads_before_the_forward(
+        engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``StepPlan.loads_before_forward``: the forward (a replayed FULL CUDA graph) calls no
+    layer hook, yet every layer counts as waited, the bytes are in place and nothing is
+    recomputed or stops the engine."""
+    from kvtier.gpu import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BAND_MIN_BYTES", 1)
+    kv = SmallKV(seed=25)
+    if engine == "bands":
+        worker = _one_group_worker(kv)
+        blocks = ATTN_BLOCKS
+        step(worker, StepPlan(1, saves=[Job(1, "r", [TransferOp(0, 0, [1, 2])])]))
+        want = kv.attn_block(1) + kv.attn_block(2)
+        kv.wipe()
+    else:
+        worker = make_worker(kv, verify=False)
+        blocks = ATTN_BLOCKS
+        want = _saved(kv, worker)
+    worker.layer_failures_fatal = True
+    worker.begin_step(StepPlan(2, loads=[_by_layer(2, blocks=blocks)],
+                               loads_before_forward=True))
+    res = worker.collect()  # no hook ran
+    later = [worker.collect() for _ in range(2)]
+    assert res.recompute_blocks == set() and res.report.layer_waits_missed == 0
+    assert [r.report.loads for r in (res, *later) if r.report.loads] == [{2: [1, 0]}]
+    assert same(kv.attn_block(7) + kv.attn_block(8), want)
+    worker.close()
+
+
 def _probe_step(worker: OffloadWorker, step_no: int, layers: Sequence[int]) -> StepResult:
     """A step without loads by layer whose forward calls the hook for ``layers``."""
     worker.begin_step(StepPlan(step_no))

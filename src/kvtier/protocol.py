@@ -110,6 +110,10 @@ class StepPlan:
     # and promotions in flight instead of returning at once (kvtier.worker.IDLE_WAIT_S) to an
     # engine loop that spins through empty steps, holding the GIL the copy threads need
     idle: bool = False
+    # this step's forward may replay a FULL CUDA graph (every request computes at most a
+    # uniform decode's query), which skips vLLM's layer hook: its loads by layer are waited
+    # for before the forward, on the device, instead of layer by layer
+    loads_before_forward: bool = False
 
 
 @dataclass

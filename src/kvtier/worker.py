@@ -329,7 +329,11 @@ class OffloadWorker:
             if not job.by_layer:
                 self.engine.load(job)
         if by_layer:
-            self._begin_layered(by_layer)
+            layered = self._begin_layered(by_layer)
+            if plan.loads_before_forward:
+                # the forward may replay a FULL CUDA graph, which never calls the layer
+                # hook: order it after every band now (on the device where the engine can)
+                self._wait_every_layer(layered)
         for job in plan.verifies:
             self._load_reqs[job.job_id] = job
             if self.refusing is not None:
@@ -340,7 +344,7 @@ class OffloadWorker:
         for tier_plan in plan.tiers:
             self._submit_tier(tier_plan)
 
-    def _begin_layered(self, jobs: list[Job]) -> None:
+    def _begin_layered(self, jobs: list[Job]) -> LayeredStep:
         """Start this step's layer-by-layer loads (refused ones already failed)."""
         running = [j for j in jobs if j.job_id in self._inflight]
         self.loads_by_layer += len(jobs)
@@ -350,6 +354,7 @@ class OffloadWorker:
             for job in running:
                 self.engine.load(job)
         self._layered = LayeredStep(jobs, loads, self._layer_indexes)
+        return self._layered
 
     @property
     def loading_by_layer(self) -> bool:
@@ -361,15 +366,22 @@ class OffloadWorker:
         bytes (on the device where the engine can; else the host waits for every load of
         the step, once). While the layer-hook probe listens, it hears the call too."""
         self.layer_hooks.heard(layer_index)
-        step = self._layered
-        if step is None:
-            return
+        if self._layered is not None:
+            self._wait_at(self._layered, layer_index)
+
+    def _wait_at(self, step: LayeredStep, layer_index: int) -> None:
         step.waited.add(layer_index)
         if step.loads is not None:
             step.loads.wait_layer(layer_index)
         elif step.host_waited_at is None:
             step.host_waited_at = layer_index
             self._wait_on_host([j.job_id for j in step.jobs], self._early)
+
+    def _wait_every_layer(self, step: LayeredStep) -> None:
+        """The forward reads every layer of ``step``'s loads after them, as if it had waited
+        at each layer's hook (the probe hears none of it)."""
+        for layer in sorted(step.layers):
+            self._wait_at(step, layer)
 
     def _wait_on_host(self, job_ids: list[int], out: StepResult) -> None:
         """Block until the jobs are reported (their completions accounted into ``out``), at

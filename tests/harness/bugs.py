@@ -353,6 +353,13 @@ def revert_recomputed_blocks_cached() -> contextlib.AbstractContextManager[None]
     return _patched(scheduler_side, "forget_recomputed_blocks", lambda pool, sched, blocks: 0)
 
 
+def revert_loads_before_forward() -> contextlib.AbstractContextManager[None]:
+    """Without it, a step whose forward may replay a FULL CUDA graph (a batch of one-token
+    queries, one of them a hit promised by layer) waited for its loads only at the layer
+    hooks, which such a replay never calls."""
+    return _patched(SchedulerSide, "_may_replay_full_graph", lambda self, plan, so: False)
+
+
 REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "recycled_id": revert_recycled_id,
     "preempt_order": revert_preempt_order,
@@ -363,6 +370,7 @@ REVERTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "cross_group_fence": revert_cross_group_fence,
     "reverse_hybrid_hit": revert_reverse_hybrid_hit,
     "recomputed_blocks_cached": revert_recomputed_blocks_cached,
+    "loads_before_forward": revert_loads_before_forward,
 }
 
 __all__ = ["MULTI_GROUP_PLANTED", "PLANTED", "REVERTS", "Bug", "RequestState", "revert_blind_requests",

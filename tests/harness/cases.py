@@ -154,7 +154,28 @@ def recomputed_while_shared(seed: int, async_scheduling: bool = False,
                  world_size=world_size)
 
 
+def by_layer_in_a_decode_batch(seed: int, async_scheduling: bool = False,
+                               world_size: int = 1) -> Scenario:
+    """A hit promised by layer (its request had more than a decode's query left) whose step
+    the token budget gives it one token, in a batch of one-token decodes: vLLM replays a FULL
+    CUDA graph for such a batch where one was captured, and no layer hook runs. kvtier must
+    order that forward after the loads before it starts (``StepPlan.loads_before_forward``);
+    without that the forward reads the blocks unwaited (recomputed under the synchronous
+    scheduler, the engine stopped under the asynchronous one)."""
+    rng = random.Random(seed)
+    prefix = _toks(rng, 32 * rng.randint(2, 4))
+    reqs = [ReqSpec("first", "first", prefix + _toks(rng, 8), 2, arrival=0)]
+    reqs += [ReqSpec(f"dec{i}", f"dec{i}", _toks(rng, 6 + i), 60, arrival=80)
+             for i in range(3)]
+    reqs.append(ReqSpec("restore", "restore", prefix + _toks(rng, rng.randint(20, 60)), 4,
+                        arrival=rng.randint(92, 100)))
+    return _base(seed, reqs, FaultPlan(full_graph_replay_p=1.0), resets=[(76, False, False)],
+                 max_num_batched_tokens=4, layerwise=True, async_scheduling=async_scheduling,
+                 world_size=world_size)
+
+
 CASES = {
+    "by_layer_in_a_decode_batch": by_layer_in_a_decode_batch,
     "recycled_id": recycled_id,
     "resumed_after_reset": resumed_after_reset,
     "scheduled_before_handshake": scheduled_before_handshake,

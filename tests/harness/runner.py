@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -186,6 +187,9 @@ class FakeRunner:
             worker.slab.close()
             worker.slab = worker.mover.slab = slab_of_rank0
         self.worker = worker
+        # whether a uniform decode batch replays a FULL graph: the same on every rank, and
+        # drawn apart from the transport's faults (their seeds stay as found)
+        self._graph_rng = random.Random(transport.seed ^ 0x6A7)
         original = worker.engine
         engine: TransferEngine = HarnessEngine(transport, rank, worker.mover)
         if isinstance(original, RetryingLoads):  # vLLM 0.25.1, several groups: kvtier's own
@@ -247,7 +251,7 @@ class FakeRunner:
         sampled: list[list[int]] = []
         self._wrong_reads = []
         if forward:
-            self._wait_for_layers()
+            self._wait_for_layers(so)
             req_ids, sampled = self._forward(so)
         if not before:
             conn.start_load_kv(None)
@@ -268,16 +272,22 @@ class FakeRunner:
         self.oracle.on_rank_report(self.rank, kv)
         return runner_output(req_ids, sampled, kv)
 
-    def _wait_for_layers(self) -> None:
+    def _wait_for_layers(self, so: Any) -> None:
         """vLLM's attention hook, ``wait_for_layer_load`` per layer in order, before the fake
-        forward reads (it reads every layer at once). With ``skip_layer_wait`` a step with
-        layer-by-layer loads skips them all, as a replayed FULL CUDA graph would (not where
-        kvtier stops the engine on that: the asynchronous scheduler, where the FULL graph
-        and the hooks are checked before any promise)."""
-        f = self.transport.faults
+        forward reads (it reads every layer at once). A step of nothing but one-token queries
+        (a uniform decode batch) replays a FULL CUDA graph (``full_graph_replay_p``, half the
+        steps by default) and skips every hook, as vLLM's default FULL_AND_PIECEWISE does
+        where a graph of that size was captured. With ``skip_layer_wait`` a step with layer-by-layer loads skips them all
+        besides (a graph where none should be: kvtier recomputes, or under the asynchronous
+        scheduler stops the engine, so not injected there)."""
+        f, rng = self.transport.faults, self.transport.rng
+        if (max(so.num_scheduled_tokens.values(), default=0) <= 1
+                and self._graph_rng.random() < f.full_graph_replay_p):
+            self.transport.injected["full_graph_replay"] += 1
+            return
         if (f.skip_layer_wait_p and self.worker.loading_by_layer
                 and not self.worker.layer_failures_fatal
-                and self.transport.rng.random() < f.skip_layer_wait_p):
+                and rng.random() < f.skip_layer_wait_p):
             self.transport.injected["skip_layer_wait"] += 1
             return
         for name in self.layer_names:

@@ -60,6 +60,7 @@ class Transport:
         self.world_size = world_size
         self.trace = trace
         self.faults = faults
+        self.seed = seed
         self.rng = random.Random(seed ^ 0x7A11)
         self.oracle = oracle
         self.now = 0

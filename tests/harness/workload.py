@@ -53,6 +53,9 @@ class FaultPlan:
     lone_fail_rank: int | None = None  # load failures happen on this rank only
     # layer-by-layer loads: a step's forward skips every layer wait (a replayed CUDA graph)
     skip_layer_wait_p: float = 0.0
+    # a batch of one-token queries replays a FULL CUDA graph (no layer hook runs): vLLM's
+    # default where a graph of the batch's size was captured (not a fault: always on)
+    full_graph_replay_p: float = 0.5
 
     def kinds(self) -> list[str]:
         out = []

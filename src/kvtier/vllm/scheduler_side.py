@@ -306,6 +306,7 @@ class SchedulerSide:
         # nothing computes this step (every running request waits for a load, a lookup for a
         # promotion): the workers may block a little for what is in flight (IDLE_WAIT_S)
         plan.idle = not scheduler_output.num_scheduled_tokens
+        plan.loads_before_forward = self._may_replay_full_graph(plan, scheduler_output)
         chunk = sched.geometry.chunk_tokens
         if (step.new or self._prefill_tokens or plan.loads or plan.saves or plan.verifies
                 or plan.tiers or plan.fence or plan.reset
@@ -317,6 +318,16 @@ class SchedulerSide:
             self.admission.step_planned(scheduler_output, sched.loads_in_flight(),
                                         sched.producing_chunks())
         return KvtierMetadata(plan, geometry_known=True)
+
+    def _may_replay_full_graph(self, plan: StepPlan, scheduler_output: Any) -> bool:
+        """Whether this step has loads by layer and a forward that may replay a FULL CUDA
+        graph: no request computes more than a uniform decode's query. A hit promised by
+        layer had more left than that (:meth:`_loads_by_layer`), but the step's token
+        budget can give its request fewer; such a forward skips every layer hook."""
+        if not any(job.by_layer for job in plan.loads):
+            return False
+        scheduled = scheduler_output.num_scheduled_tokens.values()
+        return max(scheduled, default=0) <= self.setup.decode_query_len
 
     def _scheduled_tokens(self, scheduler_output: Any) -> list[ScheduledTokens]:
         """What each computing request's saves are planned from (draft tokens left out);
