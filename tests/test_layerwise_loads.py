@@ -491,6 +491,29 @@ def test_a_hit_loads_by_layer_only_while_its_step_is_no_uniform_decode(
     assert side._loads_by_layer(_Request(512 + 256 + rest), 512, 256) is by_layer
 
 
+@pytest.mark.parametrize(("scheduled", "spec_tokens", "by_layer", "before"), [
+    ({"r": 1, "a": 1, "b": 1}, 0, True, True),  # one token for the hit among decodes
+    ({"r": 2, "a": 1}, 0, True, False),  # a mixed batch: piecewise, the hooks run
+    ({"r": 3, "a": 4, "b": 4}, 3, True, True),  # decodes with 3 drafts each
+    ({"r": 5, "a": 4}, 3, True, False),
+    ({"r": 1, "a": 1}, 0, False, False),  # no load by layer in the step
+])
+def test_a_step_that_may_replay_a_full_graph_is_planned_to_wait_before_its_forward(
+        scheduled: dict[str, int], spec_tokens: int, by_layer: bool, before: bool) -> None:
+    import dataclasses
+
+    from kvtier.protocol import StepPlan
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    setup = dataclasses.replace(_setup({"layerwise_loads": True}),  # type: ignore[type-var]
+                                decode_query_len=1 + spec_tokens)
+    side = SchedulerSide(setup)
+    plan = StepPlan(1, loads=[_by_layer(1) if by_layer else
+                              Job(1, "r", [TransferOp(0, 0, list(ATTN_BLOCKS))])])
+    output = type("Output", (), {"num_scheduled_tokens": scheduled})()
+    assert side._may_replay_full_graph(plan, output) is before
+
+
 def test_saves_of_a_step_whose_load_by_layer_is_recomputed_fail() -> None:
     """The forward read wrong bytes where vLLM recomputes: nothing it computed in that step,
     or in the next (an asynchronous scheduler had scheduled it already), is saved (any
