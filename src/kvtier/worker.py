@@ -295,9 +295,7 @@ class OffloadWorker:
         self._layer_indexes = frozenset(s.layer_index for g in layout.groups
                                         for s in g.segments if s.layer_index >= 0)
         self.layer_hooks = LayerHookCheck()
-        # a failed or unwaited load by layer raises LayerLoadFailed instead of being
-        # recomputed (vLLM's asynchronous scheduler: kvtier.vllm.setup.layer_load_failures_fatal)
-        self.layer_failures_fatal = False
+        self.layer_failures_fatal = False  # raise LayerLoadFailed, never recompute (async)
         self._tier_store = tier_store or default_tier_store(config)
         # per lower tier's name, each on its own I/O thread: made by the first plan with jobs
         # of that tier (a slow or dead tier never delays another's jobs)
