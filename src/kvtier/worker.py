@@ -470,11 +470,15 @@ class OffloadWorker:
         then loads every hit parked)."""
         if step.loads is None or not self.layer_hooks.found_in(step, missed):
             return
+        self._report_hooks_missing(missed, out)
+
+    def _report_hooks_missing(self, missing: list[int], out: StepResult) -> None:
+        """Tell the scheduler half, once, that ``missing`` layers skip the hook."""
         out.report.layer_hooks_missing += 1
         logger.warning("kvtier rank %d: the model's attention runs without vLLM's "
                        "wait_for_layer_load on layers %s%s (its own attention op skips the "
                        "hook): layerwise_loads cannot act in this engine; hits load parked",
-                       self.rank, missed[:8], " ..." if len(missed) > 8 else "")
+                       self.rank, missing[:8], " ..." if len(missing) > 8 else "")
 
     def _end_probe_step(self, out: StepResult) -> None:
         """The forward is over: report what its hooks told the probe, if anything."""
@@ -487,12 +491,7 @@ class OffloadWorker:
                         "wait_for_layer_load on each of its %d layers: hits may load layer "
                         "by layer", self.rank, len(self._layer_indexes))
             return
-        missing = hooks.missing or []
-        out.report.layer_hooks_missing += 1
-        logger.warning("kvtier rank %d: the model's attention runs without vLLM's "
-                       "wait_for_layer_load on layers %s%s (its own attention op skips the "
-                       "hook): layerwise_loads cannot act in this engine; hits load parked",
-                       self.rank, missing[:8], " ..." if len(missing) > 8 else "")
+        self._report_hooks_missing(hooks.missing or [], out)
 
     @property
     def layer_hooks_missing(self) -> list[int] | None:
