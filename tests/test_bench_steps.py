@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
+from kvtier.bench.offline_report import step_kind_table
 from kvtier.bench.steps import (
     CATEGORIES,
     Step,
@@ -15,6 +16,8 @@ from kvtier.bench.steps import (
     gap_table,
     park_steps,
     phase,
+    step_kinds,
+    steps_json,
     timelines,
 )
 
@@ -65,6 +68,31 @@ def test_the_gap_to_the_floor_per_category() -> None:
     assert abs(gap["x"]["parked_s"] - 0.9) < 1e-9 and gap["x"]["wall_gap_s"] == 1.0
     assert abs(gap["x"]["explained"] - 0.9) < 1e-9
     assert gap["floor"]["explained"] == 1.0
+
+
+def test_steps_by_kind_and_decode_step_time_by_batch() -> None:
+    decodes = [Step(step_s=0.010 + i * 1e-4, tokens=2, phases={"a": "decode", "b": "decode"})
+               for i in range(21)]
+    decodes += [Step(step_s=0.5, tokens=1, phases={"a": "decode", "b": "queued"})] * 3
+    rows = steps_json(_steps() + decodes
+                      + [Step(step_s=0.2, tokens=0, phases={"c": "queued"})])
+    assert [r["kind"] for r in rows[:6]] == ["prefill", "decode", "parked", "prefill",
+                                            "parked", "decode"]
+    assert rows[0]["batch"] == 1 and rows[6]["batch"] == 2
+    kinds = step_kinds(rows)
+    assert kinds["prefill"] == {"steps": 2, "seconds": 1.0}
+    assert kinds["parked"] == {"steps": 2, "seconds": 1.0}
+    assert kinds["idle"] == {"steps": 1, "seconds": 0.2}
+    assert kinds["decode"]["steps"] == 2 + 21 + 3
+    # batch 1 ran 5 times (< 20): no median; batch 2's is its middle step
+    assert kinds["decode_median_s_by_batch"] == {2: 0.010 + 10e-4}
+    # the report: batch sizes every configuration ran often enough, after a JSON round trip
+    other = {**kinds, "decode_median_s_by_batch": {"2": 0.02, "3": 0.03}}
+    table = step_kind_table({"x": [{"wall_s": 1.0, "step_kinds": kinds}],
+                             "y": [{"wall_s": 2.0, "step_kinds": other}]})
+    assert table[2] == "| prefill | 2, 1.000 | 2, 1.000 |"
+    assert table[-1] == "| decode step at batch 2, median ms | 11.00 | 20.00 |"
+    assert step_kind_table({"x": [{"wall_s": 1.0}]}) == []  # runs from before the field
 
 
 class _Status:

@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     for s in res["steps"]:
         s.pop("phases")
+    res["step_kinds"] = st.step_kinds(res["steps"])
     if args.config == "kvtier-null-copy":
         from kvtier.testing.null_copy import rpc_null_copy_steps
 

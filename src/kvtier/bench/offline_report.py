@@ -1,5 +1,5 @@
 """The report of ``kvtier bench offline``: the short table, the seconds per category with their
-gap to null-copy, and the PNG of per-request timelines.
+gap to null-copy, the wall seconds by kind of step, and the PNG of per-request timelines.
 
 Contract: every table uses, per configuration, its median-wall run (:func:`median_run`);
 "tokens = big" counts requests whose greedy tokens equal the ``big`` run's (``hbm``'s when
@@ -95,6 +95,32 @@ def category_table(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]
     return lines
 
 
+def step_kind_table(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """Wall seconds by kind of step, and a decode step's median milliseconds at each batch
+    size every configuration ran at least 20 times (:func:`kvtier.bench.steps.step_kinds`)."""
+    med = {c: m for c, m in _medians(runs).items() if "step_kinds" in m}
+    if not med:
+        return []
+    names = list(med)
+    lines = ["| steps: n, seconds | " + " | ".join(names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for k in ("prefill", "decode", "parked", "idle"):
+        lines.append(f"| {k} | " + " | ".join(
+            f"{med[c]['step_kinds'][k]['steps']}, {med[c]['step_kinds'][k]['seconds']:.3f}"
+            for c in names) + " |")
+    batches = set.intersection(*(
+        {int(b) for b in med[c]["step_kinds"]["decode_median_s_by_batch"]} for c in names))
+    for b in sorted(batches):
+        lines.append(f"| decode step at batch {b}, median ms | " + " | ".join(
+            f"{1000 * _by_batch(med[c], b):.2f}" for c in names) + " |")
+    return lines
+
+
+def _by_batch(run: Mapping[str, Any], batch: int) -> float:
+    table = run["step_kinds"]["decode_median_s_by_batch"]
+    return float(table.get(batch, table.get(str(batch))))  # str keys after a JSON round trip
+
+
 def markdown(summary: Mapping[str, Any], runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     med = _medians(runs)
     out = [f"# Offline reference run: {summary['title']}", "",
@@ -103,6 +129,13 @@ def markdown(summary: Mapping[str, Any], runs: Mapping[str, Sequence[Mapping[str
            f"    {summary['command']}", "", *short_table(summary, runs), "",
            "## Seconds per category (median-wall run of each configuration)", "",
            *category_table(runs)]
+    kinds = step_kind_table(runs)
+    if kinds:
+        out += ["", "## Wall seconds by kind of step", "",
+                "Under the asynchronous scheduler a step's GPU work overlaps the next step's "
+                "Python, so seconds move between the forward and connector categories above; "
+                "step wall times do not, and decode steps of one batch size do the same work "
+                "in every configuration.", "", *kinds]
     nc = med.get(FLOOR, {}).get("null_copy")
     if nc:
         out += ["", f"Null-copy engine: jobs by engine steps from submission to report: {nc}"]

@@ -19,11 +19,13 @@ them; it changes no argument and no result. Per engine step it records:
 
 :func:`categories` turns the steps into the seconds-per-category table (summing to the wall
 time with ``outside_s``, the LLM loop between steps), :func:`timelines` into per-request
-phase seconds and park lengths.
+phase seconds and park lengths, :func:`step_kinds` into wall seconds by kind of step
+(comparable across configurations where the categories are not).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -56,6 +58,21 @@ class Step:
     @property
     def parked(self) -> bool:
         return self.tokens == 0 and "parked" in self.phases.values()
+
+    @property
+    def batch(self) -> int:
+        """Requests that computed tokens in this step."""
+        return sum(ph in ("prefill", "decode") for ph in self.phases.values())
+
+    @property
+    def kind(self) -> str:
+        """``parked`` (see :attr:`parked`), ``idle`` (nothing computed), ``prefill`` (some
+        request computed prompt tokens) or ``decode`` (every computing request decoded)."""
+        if self.parked:
+            return "parked"
+        if self.tokens == 0:
+            return "idle"
+        return "prefill" if "prefill" in self.phases.values() else "decode"
 
     @property
     def forward_s(self) -> float:
@@ -232,7 +249,31 @@ def park_steps(lines: Mapping[str, Mapping[str, Any]]) -> dict[int, int]:
 
 
 def steps_json(steps: Iterable[Step]) -> list[dict[str, Any]]:
-    return [{**asdict(s), "forward_s": s.forward_s, "parked": s.parked} for s in steps]
+    return [{**asdict(s), "forward_s": s.forward_s, "parked": s.parked, "kind": s.kind,
+             "batch": s.batch} for s in steps]
+
+
+def step_kinds(steps: Sequence[Mapping[str, Any]], min_steps: int = 20) -> dict[str, Any]:
+    """Wall seconds of the steps of each kind (``steps``: :func:`steps_json` rows), and the
+    median seconds of a decode step per batch size with at least ``min_steps`` steps.
+
+    Why: under vLLM's asynchronous scheduler a step's GPU work overlaps the next step's
+    Python, so time moves between the forward and the connector categories with whatever
+    blocks the host (a connector that waits on its copies makes the forward look shorter).
+    A step's wall time does not move that way, and decode steps of one batch size do the
+    same work in every configuration: those are the numbers to compare across them."""
+    out: dict[str, Any] = {k: {"steps": 0, "seconds": 0.0}
+                           for k in ("prefill", "decode", "parked", "idle")}
+    by_batch: dict[int, list[float]] = {}
+    for s in steps:
+        k = out[s["kind"]]
+        k["steps"] += 1
+        k["seconds"] += s["step_s"]
+        if s["kind"] == "decode":
+            by_batch.setdefault(s["batch"], []).append(s["step_s"])
+    out["decode_median_s_by_batch"] = {
+        b: statistics.median(v) for b, v in sorted(by_batch.items()) if len(v) >= min_steps}
+    return out
 
 
 def phase_totals(lines: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
