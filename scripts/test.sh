@@ -17,4 +17,7 @@ if [ "${KVTIER_TEST_REDIS_REQUIRED:-0}" = 1 ] || command -v redis-server >/dev/n
   trap 'rc=$?; bash scripts/redis_servers.sh stop "$redis_dir" || true; rm -rf "$redis_dir" || true; exit $rc' EXIT
   eval "$(bash scripts/redis_servers.sh start "$redis_dir")"
 fi
-python -m pytest "$@"
+# Two pytest-xdist workers, a test file each at a time (module-scoped engines start once): most of an e2e
+# test is one busy process (imports, engine start-up, a spawned server), so two files at once
+# keep both cores of the CI machine busy. `-n 0` after it runs everything in one process.
+python -m pytest -n 2 --dist loadfile "$@"

@@ -49,6 +49,21 @@ from kvtier.slab import SlotAllocator
 from kvtier.vllm.groups import engine_groups
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_numba_after_the_module() -> Any:
+    """Kimi-K3's layer code imports numba (through vLLM's jit_monitor), and with it llvmlite.
+    vLLM 0.32's Triton kernel rebinding, run at every engine start, scans every module's
+    namespace and fails on llvmlite's ``ffi.lib`` (its ``__getattr__`` answers ``__dict__``),
+    so an engine started later in the same process (the e2e tests, when the suite runs in
+    several workers) would not start. Afterwards the modules this test pulled in leave
+    ``sys.modules`` (the objects stay alive where referenced)."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("numba", "llvmlite"):
+            del sys.modules[name]
+
+
 def _glm5next_modules() -> tuple[Any, Any]:
     """GLM-5-Next's layer modules without its package ``__init__`` (which imports the
     multimodal model, hence torchvision, absent here)."""

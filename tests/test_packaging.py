@@ -31,7 +31,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 EXTRAS: dict[str, list[str]] = PROJECT["optional-dependencies"]
 # Import-free users of a declared distribution: where the project uses it.
-TOOLS = {"ruff": ROOT / "scripts" / "test.sh", "pytest-timeout": ROOT / "pyproject.toml"}
+TOOLS = {"ruff": ROOT / "scripts" / "test.sh", "pytest-timeout": ROOT / "pyproject.toml",
+         "pytest-xdist": ROOT / "scripts" / "test.sh"}
 IMPORT_NAMES = {"pytest-timeout": "pytest_timeout"}
 
 
