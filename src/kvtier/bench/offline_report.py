@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.bench.steps import CATEGORIES, PHASES, gap_table
+from kvtier.bench.steps import CATEGORIES, PHASES, STEP_KINDS, gap_table
 
 FLOOR = "kvtier-null-copy"
 CATEGORY_NAMES = {
@@ -104,7 +104,7 @@ def step_kind_table(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
     names = list(med)
     lines = ["| steps: n, seconds | " + " | ".join(names) + " |",
              "|---" * (len(names) + 1) + "|"]
-    for k in ("prefill", "decode", "parked", "idle"):
+    for k in STEP_KINDS:
         lines.append(f"| {k} | " + " | ".join(
             f"{med[c]['step_kinds'][k]['steps']}, {med[c]['step_kinds'][k]['seconds']:.3f}"
             for c in names) + " |")

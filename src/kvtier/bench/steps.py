@@ -39,6 +39,7 @@ WORKER_SIDE = ("bind_connector_metadata", "clear_connector_metadata", "handle_pr
                "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
                "get_finished", "get_block_ids_with_load_errors", "build_connector_worker_meta")
 PHASES = ("queued", "parked", "prefill", "decode")
+STEP_KINDS = ("prefill", "decode", "parked", "idle")  # Step.kind
 CATEGORIES = ("wait_s", "parked_s", "connector_sched_s", "connector_worker_s", "scheduler_s",
               "forward_s", "recorder_s", "outside_s")
 
@@ -262,8 +263,7 @@ def step_kinds(steps: Sequence[Mapping[str, Any]], min_steps: int = 20) -> dict[
     blocks the host (a connector that waits on its copies makes the forward look shorter).
     A step's wall time does not move that way, and decode steps of one batch size do the
     same work in every configuration: those are the numbers to compare across them."""
-    out: dict[str, Any] = {k: {"steps": 0, "seconds": 0.0}
-                           for k in ("prefill", "decode", "parked", "idle")}
+    out: dict[str, Any] = {k: {"steps": 0, "seconds": 0.0} for k in STEP_KINDS}
     by_batch: dict[int, list[float]] = {}
     for s in steps:
         k = out[s["kind"]]
