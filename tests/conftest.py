@@ -39,22 +39,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-# The longest files run first. scripts/test.sh runs two pytest-xdist workers, a file each at a
-# time, handed out in collection order: a file of about 16 minutes (Qwen3-Next's real cache
-# geometry in bfloat16, session 17's CI run) handed out last keeps the run going alone while
-# the other worker idles.
-LONGEST_FIRST = ("tests/e2e/test_hybrid_e2e.py", "tests/e2e/test_bench_offline_e2e.py",
-                 "tests/e2e/test_tp2_e2e.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: every other file keeps its order
-
-
 @pytest.fixture
 def kvtier_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """``caplog`` for kvtier's loggers (``vllm.kvtier.*``) at WARNING and above. Its handler is
